@@ -1,0 +1,1 @@
+"""fastpipe: pipeline-parallel training for PyTorch."""

@@ -1,0 +1,1 @@
+"""Triton kernels that make recomputation cheap (installed as ``fastpipe.kernels``)."""
