@@ -6,7 +6,26 @@ loaded at run time. That keeps ``pip install .`` fast and lets one build serve C
 and CUDA hosts.
 """
 
+from glob import glob
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the few translation units in parallel (env NPY_NUM_BUILD_JOBS overrides).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
+
+ext_modules = [
+    Pybind11Extension(
+        "fastpipe._C",
+        sorted(glob("csrc/*.cpp")),
+        include_dirs=["csrc"],
+        depends=sorted(glob("csrc/*.h")),
+        cxx_std=17,
+        extra_compile_args=["-O2", "-pthread"],
+        extra_link_args=["-pthread"],
+        libraries=["dl"],
+    ),
+]
 
 setup(
     name="fastpipe",
@@ -14,11 +33,21 @@ setup(
     description="Pipeline-parallel training for PyTorch: GPipe done right",
     packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.kernels"],
     package_dir={"fastpipe.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    package_data={"fastpipe": ["_C.pyi"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.1", "tqdm"],
+    install_requires=[
+        "torch>=2.1",
+        "tqdm",
+        # Triton ships Linux wheels only; elsewhere fastpipe.kernels uses its PyTorch path.
+        "triton; platform_system == 'Linux'",
+        # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) needs numpy.
+        "numpy",
+    ],
     extras_require={
-        "kernels": ["triton", "numpy"],
         "plot": ["matplotlib"],
-        "test": ["pytest", "numpy"],
+        "test": ["pytest", "matplotlib"],
+        "bench": ["matplotlib", "torchgpipe"],
     },
 )
