@@ -1,0 +1,449 @@
+"""Automatic balance: profile the layers of an ``nn.Sequential`` and pick the best contiguous partition.
+
+The planner is pure (no threads, no processes): it searches partitions and scores each one by simulating
+the chosen schedule (:func:`fastpipe.schedule.simulate`). Profiling (:func:`profile_layers`) runs each layer
+once per repeat on the caller's device.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastpipe.schedule import ScheduleError, build, simulate
+from fastpipe.schedule.simulate import CompiledSimulation
+from fastpipe.trace import Timeline
+
+__all__ = [
+    "BalanceError",
+    "LayerProfile",
+    "auto_balance",
+    "by_size",
+    "by_time",
+    "plan",
+    "predict",
+    "profile_layers",
+]
+
+_REL_TOL = 1e-9
+
+
+class BalanceError(ValueError):
+    """No partition satisfies the request (too few layers, memory limit too small, bad costs)."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Per-layer measurements of one micro-batch (the profiled sample).
+
+    Attributes:
+        forward: forward seconds per layer (median of the repeats).
+        backward: backward seconds per layer (median).
+        activation_bytes: bytes saved for backward by each layer, parameters excluded.
+        parameter_bytes: bytes of each layer's parameters.
+    """
+
+    forward: list[float]
+    backward: list[float]
+    activation_bytes: list[int]
+    parameter_bytes: list[int]
+
+
+def _stage_costs(balance: Sequence[int], costs: Sequence[float]) -> list[float]:
+    out, i = [], 0
+    for size in balance:
+        out.append(float(sum(costs[i : i + size])))
+        i += size
+    return out
+
+
+def predict(
+    balance: Sequence[int],
+    costs_fwd: Sequence[float],
+    costs_bwd: Sequence[float],
+    *,
+    microbatches: int,
+    schedule: str = "gpipe",
+    comm: float | Sequence[float] = 0.0,
+    virtual_stages: int = 1,
+) -> Timeline:
+    """Simulates one step of ``schedule`` on the partition ``balance``.
+
+    ``costs_*`` are per layer and per micro-batch. For split-backward schedules (``zb-h1``) a layer's
+    backward cost is split evenly into B (input grad) and W (weight grad).
+    """
+    fwd = _stage_costs(balance, costs_fwd)
+    bwd = _stage_costs(balance, costs_bwd)
+    workers = len(balance) // virtual_stages
+    sched = build(schedule, workers, microbatches, virtual_stages=virtual_stages)
+    if sched.split_backward:
+        half = [b / 2 for b in bwd]
+        return simulate(sched, forward=fwd, backward=half, weight=half, comm=comm)
+    return simulate(sched, forward=fwd, backward=bwd, weight=0.0, comm=comm)
+
+
+def plan(
+    costs_fwd: Sequence[float],
+    costs_bwd: Sequence[float],
+    partitions: int,
+    *,
+    microbatches: int,
+    schedule: str = "gpipe",
+    memory: Sequence[float] | None = None,
+    memory_limit: float | None = None,
+    comm: float | Sequence[float] = 0.0,
+    virtual_stages: int = 1,
+    max_evaluations: int = 200_000,
+) -> list[int]:
+    """Returns the contiguous partition with the least simulated step time.
+
+    Args:
+        costs_fwd: forward cost of each layer for one micro-batch.
+        costs_bwd: backward cost of each layer for one micro-batch.
+        partitions: number of workers K (the balance has ``K * virtual_stages`` entries).
+        microbatches: micro-batches per step M.
+        schedule: schedule name (see :func:`fastpipe.schedule.build`).
+        memory: bytes each layer needs on its device; a stage needs the sum over its layers.
+        memory_limit: the most bytes one stage may need (requires ``memory``).
+        comm: link delay per boundary, as in :func:`fastpipe.schedule.simulate`.
+        virtual_stages: stages per worker (``interleaved`` only).
+        max_evaluations: simulation budget of the search; if it runs out (a warning says so) the result is
+            the best partition found, at least as good as the least-bottleneck one.
+
+    Returns:
+        The balance: layers per stage, summing to ``len(costs_fwd)``.
+
+    Raises:
+        BalanceError: on bad input, or when no partition fits the memory limit.
+
+    Why this is optimal (up to a relative 1e-9, within ``max_evaluations``): it is a branch and bound over
+    all contiguous partitions, stage by stage, that cuts a subtree only when a valid lower bound on the
+    simulated makespan T of every partition in it reaches the incumbent. Two bounds are used:
+
+    * Monotonicity. The simulator's recurrence (start = max(worker free, dependency ends + delay)) with a
+      fixed per-worker order only takes sums and maxima of costs, so T never drops when a cost rises.
+      Simulating the assigned stages at their real costs and each unassigned stage at the cheapest layer
+      it could hold (the last stage at least the last layer) is therefore a lower bound.
+    * Per stage. A stage j with layers costing c_j = f_j + b_j per micro-batch, behind layers costing
+      F_j (forward) and B_j (backward), has T >= F_j + M c_j + B_j: its first F waits for a forward through
+      every earlier stage, its 2M actions run one after another on one worker, and with a combined
+      backward its last action is a BW whose input grad still has to flow back through every earlier
+      stage (split schedules drop B_j, as their last action may be a W). Whether the unassigned layers can
+      be cut so that every remaining stage stays under the incumbent is decided exactly for this
+      relaxation by greedy filling: moving a layer l into an earlier stage raises the next stage's prefix
+      by f_l + b_l but lowers its M c_j term by M c_l, and leaves the other stages unchanged.
+
+    Every partition not cut is simulated, so the result is the minimum over all partitions that fit the
+    memory limit. The incumbent starts from the partition with the least largest stage cost (exact DP),
+    so the answer is never worse than that classic "optimal bottleneck" partition. Measured: 40 layers,
+    8 stages, M=8, 1F1B finishes in about 3 s on one CPU core.
+    """
+    n = len(costs_fwd)
+    if len(costs_bwd) != n:
+        raise BalanceError(f"costs_fwd has {n} layers but costs_bwd has {len(costs_bwd)}")
+    if any(c < 0 or not math.isfinite(c) for c in list(costs_fwd) + list(costs_bwd)):
+        raise BalanceError("costs must be finite and >= 0")
+    if partitions < 1:
+        raise BalanceError(f"partitions must be >= 1, got {partitions}")
+    stages = partitions * virtual_stages
+    if n < stages:
+        raise BalanceError(f"{n} layers cannot fill {stages} stages (partitions x virtual_stages)")
+    if memory_limit is not None and memory is None:
+        raise BalanceError("memory_limit needs per-layer memory")
+    if memory is not None and len(memory) != n:
+        raise BalanceError(f"memory has {len(memory)} entries for {n} layers")
+    try:
+        build(schedule, partitions, microbatches, virtual_stages=virtual_stages)
+    except ScheduleError as exc:
+        raise BalanceError(str(exc)) from exc
+    sched = build(schedule, partitions, microbatches, virtual_stages=virtual_stages)
+    evaluate = CompiledSimulation(sched, comm)
+    split = sched.split_backward
+    mem = [float(x) for x in memory] if memory is not None else [0.0] * n
+    limit = math.inf if memory_limit is None else float(memory_limit)
+    pf, pb, pm = [0.0], [0.0], [0.0]
+    for f, b, x in zip(costs_fwd, costs_bwd, mem):
+        pf.append(pf[-1] + f)
+        pb.append(pb[-1] + b)
+        pm.append(pm[-1] + x)
+    # Per remaining stage, the cheapest single layer it could hold (each stage holds at least one).
+    min_f = [min(costs_fwd[i:]) for i in range(n)] + [0.0]
+    min_b = [min(costs_bwd[i:]) for i in range(n)] + [0.0]
+
+    def fits(a: int, b: int) -> bool:
+        return pm[b] - pm[a] <= limit
+
+    def lower_bound(cuts: list[int]) -> float:
+        fwd = [pf[b] - pf[a] for a, b in zip(cuts, cuts[1:])]
+        bwd = [pb[b] - pb[a] for a, b in zip(cuts, cuts[1:])]
+        left = stages - len(fwd)
+        a = cuts[-1]
+        fwd += [min_f[a]] * left
+        bwd += [min_b[a]] * left
+        if left:
+            fwd[-1] = max(fwd[-1], costs_fwd[-1])
+            bwd[-1] = max(bwd[-1], costs_bwd[-1])
+        if split:
+            half = [x / 2 for x in bwd]
+            return evaluate(fwd, half, half)
+        return evaluate(fwd, bwd, [0.0] * len(bwd))
+
+    start = _min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
+    if start is None:
+        raise BalanceError(
+            f"no partition into {stages} stages fits memory_limit={memory_limit} "
+            f"(largest layer needs {max(mem)}, total {pm[-1]})"
+        )
+    cuts0 = [0]
+    for size in start:
+        cuts0.append(cuts0[-1] + size)
+    best: list[float | list[int]] = [lower_bound(cuts0), cuts0]
+
+    budget = [max_evaluations]
+
+    def analytic_ok(a: int, left: int, cut: float) -> bool:
+        # Relaxation: every remaining stage j needs F_j + M c_j (+ B_j) < cut; greedy filling is exact for it.
+        for _ in range(left):
+            b = a
+            while b < n and fits(a, b + 1) and (
+                pf[a] + (0.0 if split else pb[a]) + microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut
+            ):
+                b += 1
+            if b == a:
+                return False
+            a = b
+            if a == n:
+                return True
+        return a == n
+
+    def search(cuts: list[int]) -> None:
+        left = stages - len(cuts) + 1
+        a = cuts[-1]
+        if left == 1:
+            candidates = [n] if fits(a, n) else []
+        else:
+            candidates = [b for b in range(a + 1, n - left + 2) if fits(a, b)]
+        ideal = a + (n - a) / left
+        for b in sorted(candidates, key=lambda e: abs(e - ideal)):
+            cut = float(best[0]) * (1 - _REL_TOL)  # type: ignore[arg-type]
+            if left > 1 and not analytic_ok(b, left - 1, cut):
+                continue
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            t = lower_bound(cuts + [b])
+            if t >= cut:
+                continue
+            if left == 1:
+                best[0], best[1] = t, cuts + [b]
+            else:
+                search(cuts + [b])
+
+    search([0])
+    if budget[0] <= 0:
+        warnings.warn(
+            f"balance.plan stopped after {max_evaluations} simulations; the balance is the best found, not "
+            "proven optimal (raise max_evaluations)",
+            stacklevel=2,
+        )
+    final: list[int] = best[1]  # type: ignore[assignment]
+    return [b - a for a, b in zip(final, final[1:])]
+
+
+def _min_bottleneck(
+    costs: Sequence[float], stages: int, memory: Sequence[float] | None = None, limit: float = math.inf
+) -> list[int] | None:
+    """Exact DP for the partition minimising the largest stage cost (None if memory never fits)."""
+    n = len(costs)
+    mem = list(memory) if memory is not None else [0.0] * n
+    prefix, pmem = [0.0], [0.0]
+    for c, x in zip(costs, mem):
+        prefix.append(prefix[-1] + c)
+        pmem.append(pmem[-1] + x)
+    inf = math.inf
+    # best[k][i]: least bottleneck for the first i layers in k stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf or pmem[i] - pmem[j] > limit:
+                    continue
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    if best[stages][n] == inf:
+        return None
+    balance, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def profile_layers(
+    module: nn.Sequential, sample: torch.Tensor, *, device: torch.device | str | None = None, repeats: int = 3
+) -> LayerProfile:
+    """Measures each layer's forward and backward time and memory on ``sample`` (one micro-batch).
+
+    The input follows each layer to the device of its parameters. Activation bytes are the storages saved
+    for backward (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded, each storage counted
+    once. Parameter ``.grad`` fields are restored afterwards.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    x = sample.to(device) if device is not None else sample
+    cuda = x.is_cuda
+    fwd, bwd, acts, params = [], [], [], []
+    for layer in module.children():
+        param_list = list(layer.parameters())
+        if param_list and param_list[0].device != x.device:
+            x = x.to(param_list[0].device)  # a model already spread over devices
+            cuda = x.is_cuda
+        param_ptrs = {p.untyped_storage().data_ptr() for p in param_list}
+        old_grads = [p.grad for p in param_list]
+        f_times, b_times, saved_bytes = [], [], 0
+        out = x
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            storages: dict[int, int] = {}
+
+            def pack(
+                t: torch.Tensor, storages: dict[int, int] = storages, params: set[int] = param_ptrs
+            ) -> torch.Tensor:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    storages[ptr] = t.untyped_storage().nbytes()
+                return t
+
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            t0 = time.perf_counter()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(inp)
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            t1 = time.perf_counter()
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"layer {layer.__class__.__name__} returned {type(out).__name__}, not a Tensor")
+            if out.requires_grad:
+                torch.autograd.backward(out, torch.ones_like(out))
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            t2 = time.perf_counter()
+            f_times.append(t1 - t0)
+            b_times.append(t2 - t1)
+            saved_bytes = sum(storages.values())
+        for p, g in zip(param_list, old_grads):
+            p.grad = g
+        fwd.append(statistics.median(f_times))
+        bwd.append(statistics.median(b_times))
+        acts.append(saved_bytes)
+        params.append(sum(p.numel() * p.element_size() for p in param_list))
+        x = out.detach()
+    return LayerProfile(fwd, bwd, acts, params)
+
+
+def by_time(
+    module: nn.Sequential,
+    sample: torch.Tensor,
+    partitions: int,
+    *,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+    microbatches: int = 8,
+    schedule: str = "gpipe",
+) -> list[int]:
+    """Profiles forward/backward time per layer and returns :func:`plan`'s balance for ``schedule``."""
+    profile = profile_layers(module, sample, device=device, repeats=repeats)
+    return plan(profile.forward, profile.backward, partitions, microbatches=microbatches, schedule=schedule)
+
+
+def by_size(
+    module: nn.Sequential,
+    sample: torch.Tensor,
+    partitions: int,
+    *,
+    device: torch.device | str | None = None,
+    param_scale: float = 2.0,
+) -> list[int]:
+    """Balances memory: activation bytes plus ``param_scale`` x parameter bytes per layer.
+
+    ``param_scale`` counts the parameter with its gradient and optimizer state: about 2 for SGD, 4 for
+    Adam (parameter, gradient, two moments). Minimises the largest stage (exact DP).
+    """
+    profile = profile_layers(module, sample, device=device, repeats=1)
+    sizes = [a + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
+    if len(sizes) < partitions:
+        raise BalanceError(f"{len(sizes)} layers cannot fill {partitions} partitions")
+    balance = _min_bottleneck(sizes, partitions)
+    assert balance is not None
+    return balance
+
+
+def auto_balance(
+    module: nn.Sequential,
+    devices: Sequence[object] | None,
+    sample: object,
+    *,
+    chunks: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    memory_limit: float | None = None,
+    param_scale: float = 4.0,
+    repeats: int = 3,
+) -> list[int]:
+    """The balance behind ``Pipe(..., balance="auto")``.
+
+    Profiles one micro-batch of ``sample`` (its first ``ceil(batch / chunks)`` rows) and returns
+    :func:`plan`'s balance for ``schedule``, with one stage per entry of ``devices`` (``None``: one per
+    visible GPU).
+
+    With ``memory_limit``, a layer needs ``activation_bytes x in_flight + param_scale x parameter_bytes``,
+    where ``in_flight`` is the schedule's largest number of (stage, micro-batch) activations alive on one
+    worker (a safe upper bound for any one stage) and ``param_scale`` counts parameter, gradient and
+    optimizer state (4 for Adam).
+
+    Raises:
+        BalanceError: when the stage count is unknown, or no partition fits.
+        TypeError: when ``sample`` is not a tensor.
+    """
+    if sample is None:
+        raise BalanceError('balance="auto" needs sample=<a mini-batch like the real ones> to profile on')
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise BalanceError(
+                "balance=\"auto\" on a host without GPUs needs devices=['cpu'] * K to say how many stages to plan"
+            )
+        stages = count
+    else:
+        stages = len(devices)
+    if len(module) < stages:
+        raise BalanceError(f"{len(module)} layers cannot fill {stages} stages; use fewer devices")
+    if stages % virtual_stages:
+        raise BalanceError(f"{stages} stages do not split into workers of virtual_stages={virtual_stages}")
+    if not isinstance(sample, torch.Tensor):
+        raise TypeError(f'balance="auto" needs sample= as a Tensor (a mini-batch), got {type(sample).__name__}')
+    rows = max(1, math.ceil(sample.shape[0] / chunks)) if sample.dim() else 1
+    profile = profile_layers(module, sample[:rows] if sample.dim() else sample, repeats=repeats)
+    workers = stages // virtual_stages
+    memory = None
+    if memory_limit is not None:
+        try:
+            sched = build(schedule, workers, chunks, virtual_stages=virtual_stages)
+        except ScheduleError as exc:
+            raise BalanceError(str(exc)) from exc
+        in_flight = max(simulate(sched).peak_activations)
+        memory = [a * in_flight + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
+    return plan(profile.forward, profile.backward, workers, microbatches=chunks, schedule=schedule,
+                memory=memory, memory_limit=memory_limit, virtual_stages=virtual_stages)

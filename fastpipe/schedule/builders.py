@@ -1,0 +1,140 @@
+"""Built-in schedules: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Megatron) and ZB-H1.
+
+Micro-batch ``i`` enters stage ``j`` at clock ``i + j`` in GPipe; the other schedules bound the number of
+micro-batches in flight. Pictures for K=3 workers, M=4 micro-batches (one column per unit of time, unit
+costs F=1, B=W=1)::
+
+    gpipe   w0: F0 F1 F2 F3 .  .  .  .  BW3   BW2   BW1   BW0
+    1f1b    w0: F0 F1 .  .  F2 .  BW0   F3 BW1 ...  (at most K in flight on w0)
+    zb-h1   1f1b order of F and B (backward split into B then W); worker w lags its W by w
+"""
+
+from __future__ import annotations
+
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+
+__all__ = ["SCHEDULES", "build"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Builds a named schedule.
+
+    Args:
+        name: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
+        stages: physical pipeline workers K (for ``interleaved`` the model has ``stages * virtual_stages``
+            stages; otherwise one stage per worker).
+        microbatches: micro-batches per step M.
+        virtual_stages: stages per worker v (``interleaved`` only).
+
+    Returns:
+        A schedule that passes :meth:`Schedule.validate`.
+
+    Raises:
+        ScheduleError: on an unknown name or arguments that break the schedule's constraints.
+    """
+    key = name.lower().replace("_", "-")
+    if key not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ScheduleError(f"stages must be an integer >= 1, got {stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ScheduleError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if key != "interleaved" and virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule, not {name!r}")
+    if key == "gpipe":
+        workers = _gpipe(stages, microbatches)
+    elif key == "1f1b":
+        workers = _one_f_one_b(stages, microbatches)
+    elif key == "interleaved":
+        if microbatches % stages != 0:
+            raise ScheduleError(
+                f"interleaved needs microbatches % stages == 0 (Megatron's constraint), "
+                f"got microbatches={microbatches}, stages={stages}"
+            )
+        workers = _interleaved(stages, microbatches, virtual_stages)
+    else:
+        workers = _zb_h1(stages, microbatches)
+    num_stages = stages * virtual_stages if key == "interleaved" else stages
+    schedule = Schedule(key, num_stages, microbatches, stages, tuple(tuple(w) for w in workers))
+    schedule.validate()
+    return schedule
+
+
+def _gpipe(k: int, m: int) -> list[list[Action]]:
+    return [
+        [Action("F", w, i) for i in range(m)] + [Action("BW", w, i) for i in reversed(range(m))]
+        for w in range(k)
+    ]
+
+
+def _one_f_one_b(k: int, m: int) -> list[list[Action]]:
+    workers = []
+    for w in range(k):
+        warmup = min(k - 1 - w, m)
+        actions = [Action("F", w, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", w, warmup + i), Action("BW", w, i)]
+        actions += [Action("BW", w, i) for i in range(m - warmup, m)]
+        workers.append(actions)
+    return workers
+
+
+def _interleaved(k: int, m: int, v: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in groups of K."""
+    if v == 1:
+        return _one_f_one_b(k, m)
+    total = m * v
+
+    def step(w: int, i: int, forward: bool) -> Action:
+        chunk = (i // k) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        mb = (i // (k * v)) * k + i % k
+        return Action("F" if forward else "BW", chunk * k + w, mb)
+
+    workers = []
+    for w in range(k):
+        warmup = total if m == k else min((k - w - 1) * 2 + (v - 1) * k, total)
+        actions = [step(w, i, True) for i in range(warmup)]
+        for i in range(total - warmup):
+            actions += [step(w, warmup + i, True), step(w, i, False)]
+        actions += [step(w, i, False) for i in range(total - warmup, total)]
+        workers.append(actions)
+    return workers
+
+
+def _zb_h1(k: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023): 1F1B's F/B order and activation bound, each W deferred to fill the bubble.
+
+    Worker w keeps 1F1B's order of F and B (warm-up of K-1-w forwards, then F/B pairs, then the remaining
+    B's) and runs ``W(w, j - w)`` right after ``B(w, j)``: its weight grads lag ``w`` micro-batches behind.
+    Input grads therefore travel down the pipe at B's speed instead of B+W's, and the ``w`` lagging W's fill
+    the tail that worker w would otherwise spend waiting. With F = B = W the makespan is 3M + K - 1 for
+    M >= K, i.e. a bubble of (K-1)(F+B-W) against 1F1B's (K-1)(F+B+W): a third.
+    ::
+
+        K=4, M=8   w0: F0 F1 F2 F3 B0 W0 F4 B1 W1 ...
+                   w3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ... B7 W4 W5 W6 W7
+    """
+    workers = []
+    for w in range(k):
+        warmup = min(k - 1 - w, m)
+        # 1F1B's order of F and B, then a W after each B, lagging w micro-batches behind.
+        forwards_and_backwards = [Action("F", w, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            forwards_and_backwards += [Action("F", w, warmup + i), Action("B", w, i)]
+        forwards_and_backwards += [Action("B", w, j) for j in range(m - warmup, m)]
+        actions: list[Action] = []
+        next_w = 0
+        for action in forwards_and_backwards:
+            actions.append(action)
+            if action.kind == "B" and action.microbatch - w >= 0:
+                actions.append(Action("W", w, next_w))
+                next_w += 1
+        actions += [Action("W", w, j) for j in range(next_w, m)]
+        workers.append(actions)
+    return workers

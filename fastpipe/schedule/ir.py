@@ -1,0 +1,280 @@
+"""The schedule IR: per-worker ordered lists of actions.
+
+A :class:`Schedule` is plain data. It can be printed, validated, simulated
+(:mod:`fastpipe.schedule.simulate`) and executed by a runtime. Nothing here
+imports a runtime.
+
+Text form of an action (as in ``torch.distributed.pipelining``)::
+
+    1F3        stage 1, forward, micro-batch 3
+    0BW2       stage 0, combined backward (input and weight grads), micro-batch 2
+    0B2 / 0W2  stage 0, input-grad only / weight-grad only, micro-batch 2
+    1SEND_F3   stage 1 sends the output of 1F3 to stage 2
+    2RECV_F3   stage 2 receives the input of 2F3 from stage 1
+    2SEND_B3   stage 2 sends the input grad of its backward to stage 1
+    1RECV_B3   stage 1 receives the output grad of its backward from stage 2
+
+Dependencies (``->`` reads "needs")::
+
+    F(s, m)      -> F(s-1, m)                       (s > 0)
+    B/BW(s, m)   -> F(s, m), B/BW(s+1, m)           (s < last)
+    W(s, m)      -> B(s, m)
+
+With communication actions, a cross-worker edge ``F(s-1,m) -> F(s,m)`` becomes
+``F(s-1,m) -> SEND_F(s-1,m) -> RECV_F(s,m) -> F(s,m)`` (and mirrored for the
+backward). Sends never block; a receive waits for its matching send.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+__all__ = ["Action", "ActionKind", "COMPUTE_KINDS", "COMM_KINDS", "Schedule", "ScheduleError"]
+
+ActionKind = Literal["F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)\s*$")
+
+
+class ScheduleError(ValueError):
+    """A schedule is invalid, or a schedule cannot be built from the given arguments."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a schedule: ``kind`` applied to ``stage`` for ``microbatch``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPUTE_KINDS and self.kind not in COMM_KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}; valid: {COMPUTE_KINDS + COMM_KINDS}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @property
+    def is_comm(self) -> bool:
+        """True for SEND/RECV actions."""
+        return self.kind in COMM_KINDS
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """Parses the compact text form, e.g. ``"1F3"`` or ``"0SEND_B2"``.
+
+        Raises:
+            ScheduleError: if ``text`` is not an action.
+        """
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ScheduleError(f"cannot parse action {text!r}; expected e.g. '1F3', '0BW2', '1SEND_F3'")
+        return Action(match.group(2), int(match.group(1)), int(match.group(3)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker ordered actions of one training step.
+
+    Attributes:
+        name: schedule name, e.g. ``"1f1b"``.
+        num_stages: total (virtual) stages; stage ``s`` lives on worker ``s % num_workers``.
+        num_microbatches: micro-batches per step.
+        num_workers: physical pipeline ranks/devices.
+        workers: per worker, its actions in execution order.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_workers: int
+    workers: tuple[tuple[Action, ...], ...]
+
+    def worker_of(self, stage: int) -> int:
+        """The worker that holds ``stage`` (interleaved: worker w holds w, w+K, w+2K, ...)."""
+        return stage % self.num_workers
+
+    @cached_property
+    def split_backward(self) -> bool:
+        """True when the schedule uses B/W instead of BW."""
+        return any(a.kind in ("B", "W") for actions in self.workers for a in actions)
+
+    @cached_property
+    def has_communication(self) -> bool:
+        """True when the schedule carries explicit SEND/RECV actions."""
+        return any(a.is_comm for actions in self.workers for a in actions)
+
+    def actions(self) -> Iterable[tuple[int, Action]]:
+        """Yields ``(worker, action)`` for every action."""
+        for worker, actions in enumerate(self.workers):
+            for action in actions:
+                yield worker, action
+
+    def crosses(self, stage_a: int, stage_b: int) -> bool:
+        """True when two stages live on different workers (an edge needs communication)."""
+        return self.worker_of(stage_a) != self.worker_of(stage_b)
+
+    def dependencies(self, action: Action) -> list[Action]:
+        """The actions that must finish before ``action`` may start."""
+        s, m, kind = action.stage, action.microbatch, action.kind
+        comm = self.has_communication
+        bwd = "B" if self.split_backward else "BW"
+        last = self.num_stages - 1
+        if kind == "F":
+            if s == 0:
+                return []
+            if comm and self.crosses(s - 1, s):
+                return [Action("RECV_F", s, m)]
+            return [Action("F", s - 1, m)]
+        if kind in ("B", "BW"):
+            deps = [Action("F", s, m)]
+            if s < last:
+                if comm and self.crosses(s, s + 1):
+                    deps.append(Action("RECV_B", s, m))
+                else:
+                    deps.append(Action(bwd, s + 1, m))
+            return deps
+        if kind == "W":
+            return [Action("B", s, m)]
+        if kind == "SEND_F":
+            return [Action("F", s, m)]
+        if kind == "RECV_F":
+            return [Action("SEND_F", s - 1, m)]
+        if kind == "SEND_B":
+            return [Action(bwd, s, m)]
+        return [Action("SEND_B", s + 1, m)]  # RECV_B
+
+    def validate(self) -> None:
+        """Checks placement, completeness, dependencies and freedom from deadlock.
+
+        Raises:
+            ScheduleError: naming the offending action and the unmet constraint.
+        """
+        if self.num_workers < 1 or self.num_stages < 1 or self.num_microbatches < 1:
+            raise ScheduleError("num_workers, num_stages and num_microbatches must be >= 1")
+        if self.num_stages % self.num_workers != 0:
+            raise ScheduleError(
+                f"num_stages ({self.num_stages}) must be a multiple of num_workers ({self.num_workers})"
+            )
+        if len(self.workers) != self.num_workers:
+            raise ScheduleError(f"{len(self.workers)} worker lists for num_workers={self.num_workers}")
+        self._check_placement()
+        self._check_completeness()
+        self._check_deadlock()
+
+    def _check_placement(self) -> None:
+        for worker, action in self.actions():
+            if not 0 <= action.stage < self.num_stages:
+                raise ScheduleError(f"{action} on worker {worker}: stage out of range 0..{self.num_stages - 1}")
+            if not 0 <= action.microbatch < self.num_microbatches:
+                raise ScheduleError(
+                    f"{action} on worker {worker}: micro-batch out of range 0..{self.num_microbatches - 1}"
+                )
+            if self.worker_of(action.stage) != worker:
+                raise ScheduleError(
+                    f"{action} is on worker {worker} but stage {action.stage} lives on worker "
+                    f"{self.worker_of(action.stage)}"
+                )
+
+    def _check_completeness(self) -> None:
+        counts = Counter(action for _, action in self.actions())
+        for action, n in counts.items():
+            if n > 1:
+                raise ScheduleError(f"{action} appears {n} times; every action must run exactly once")
+        split = self.split_backward
+        if split and any(a.kind == "BW" for a in counts):
+            raise ScheduleError("schedule mixes BW with B/W; use either a combined or a split backward")
+        needed = ("F", "B", "W") if split else ("F", "BW")
+        for s in range(self.num_stages):
+            for m in range(self.num_microbatches):
+                for kind in needed:
+                    if Action(kind, s, m) not in counts:
+                        raise ScheduleError(f"missing action {Action(kind, s, m)} (stage {s}, micro-batch {m})")
+        # Every dependency must exist (this covers RECV without its matching SEND and vice versa).
+        for _, action in self.actions():
+            for dep in self.dependencies(action):
+                if dep not in counts:
+                    raise ScheduleError(f"{action} needs {dep}, which is not in the schedule")
+        if self.has_communication:
+            for _, action in self.actions():
+                if action.kind == "SEND_F" and Action("RECV_F", action.stage + 1, action.microbatch) not in counts:
+                    raise ScheduleError(f"{action} has no matching {action.stage + 1}RECV_F{action.microbatch}")
+                if action.kind == "SEND_B" and Action("RECV_B", action.stage - 1, action.microbatch) not in counts:
+                    raise ScheduleError(f"{action} has no matching {action.stage - 1}RECV_B{action.microbatch}")
+
+    def _check_deadlock(self) -> None:
+        # Run every worker in order; a worker blocked on a missing dependency is woken when it completes.
+        done: set[Action] = set()
+        pos = [0] * self.num_workers
+        waiting: dict[Action, list[int]] = {}
+        ready = list(range(self.num_workers))
+        while ready:
+            w = ready.pop()
+            actions = self.workers[w]
+            while pos[w] < len(actions):
+                action = actions[pos[w]]
+                missing = next((d for d in self.dependencies(action) if d not in done), None)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(w)
+                    break
+                done.add(action)
+                pos[w] += 1
+                ready.extend(waiting.pop(action, []))
+        stuck = []
+        for w, actions in enumerate(self.workers):
+            if pos[w] < len(actions):
+                action = actions[pos[w]]
+                waits = [str(d) for d in self.dependencies(action) if d not in done]
+                stuck.append(f"worker {w} stuck at {action} waiting for {', '.join(waits)}")
+        if stuck:
+            raise ScheduleError("deadlock: " + "; ".join(stuck))
+
+    def without_communication(self) -> Schedule:
+        """The same schedule with every SEND/RECV action removed."""
+        workers = tuple(tuple(a for a in actions if not a.is_comm) for actions in self.workers)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_workers, workers)
+
+    def with_communication(self) -> Schedule:
+        """Lowers cross-worker edges to SEND/RECV actions.
+
+        A send goes right after its producer, a receive right before its consumer. Sends never block, so
+        the lowered schedule is deadlock-free whenever the original is. Idempotent.
+        """
+        base = self.without_communication()
+        last = self.num_stages - 1
+        workers = []
+        for actions in base.workers:
+            out: list[Action] = []
+            for a in actions:
+                s, m = a.stage, a.microbatch
+                if a.kind == "F" and s > 0 and base.crosses(s - 1, s):
+                    out.append(Action("RECV_F", s, m))
+                if a.kind in ("B", "BW") and s < last and base.crosses(s, s + 1):
+                    out.append(Action("RECV_B", s, m))
+                out.append(a)
+                if a.kind == "F" and s < last and base.crosses(s, s + 1):
+                    out.append(Action("SEND_F", s, m))
+                if a.kind in ("B", "BW") and s > 0 and base.crosses(s - 1, s):
+                    out.append(Action("SEND_B", s, m))
+            workers.append(tuple(out))
+        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_workers, tuple(workers))
+
+    def __str__(self) -> str:
+        cells = [[str(a) for a in actions] for actions in self.workers]
+        width = max([len(c) for row in cells for c in row] + [2])
+        slots = max([len(row) for row in cells] + [0])
+        head = (
+            f"{self.name}: {self.num_workers} workers, {self.num_stages} stages, "
+            f"{self.num_microbatches} micro-batches"
+        )
+        lines = [head, "slot      " + " ".join(f"{i:>{width}}" for i in range(slots))]
+        for w, row in enumerate(cells):
+            lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))
+        return "\n".join(lines)

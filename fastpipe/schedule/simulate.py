@@ -1,0 +1,162 @@
+"""Event-driven simulation of a :class:`~fastpipe.schedule.ir.Schedule`.
+
+Each worker runs its actions in order. An action starts at the latest of: its worker being free, and each
+dependency's end (plus the link delay ``comm`` when the dependency ran on another worker). This is list
+scheduling with a fixed per-worker order, so the result does not depend on the order the simulator visits
+workers in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+from fastpipe.trace import Timeline
+
+__all__ = ["CompiledSimulation", "Cost", "simulate", "simulate_times"]
+
+Cost = float | Sequence[float]
+
+
+def _per_stage(value: Cost, n: int, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    values = [float(v) for v in value]
+    if len(values) != n:
+        raise ScheduleError(f"{what} has {len(values)} entries; expected {n}")
+    return values
+
+
+def simulate_times(
+    schedule: Schedule,
+    forward: Cost = 1.0,
+    backward: Cost = 1.0,
+    weight: Cost = 1.0,
+    comm: Cost = 0.0,
+) -> dict[Action, tuple[int, float, float]]:
+    """Simulates ``schedule`` and returns ``{action: (worker, start, end)}``.
+
+    See :func:`simulate` for the arguments.
+
+    Raises:
+        ScheduleError: on a cost list of the wrong length, or if the schedule deadlocks.
+    """
+    n = schedule.num_stages
+    fwd = _per_stage(forward, n, "forward")
+    bwd = _per_stage(backward, n, "backward")
+    wgt = _per_stage(weight, n, "weight")
+    link = _per_stage(comm, max(n - 1, 0), "comm (one per stage boundary)")
+    cost = {"F": fwd, "B": bwd, "W": wgt, "BW": [b + w for b, w in zip(bwd, wgt)]}
+
+    def delay(dep: Action, action: Action, dep_worker: int, worker: int) -> float:
+        if dep_worker == worker or action.kind in ("SEND_F", "SEND_B"):
+            return 0.0
+        return link[min(dep.stage, action.stage)]
+
+    result: dict[Action, tuple[int, float, float]] = {}
+    free = [0.0] * schedule.num_workers
+    pos = [0] * schedule.num_workers
+    remaining = sum(len(actions) for actions in schedule.workers)
+    while remaining:
+        progress = False
+        for w, actions in enumerate(schedule.workers):
+            while pos[w] < len(actions):
+                action = actions[pos[w]]
+                deps = schedule.dependencies(action)
+                if any(d not in result for d in deps):
+                    break
+                ready = free[w]
+                for d in deps:
+                    dw, _, dend = result[d]
+                    ready = max(ready, dend + delay(d, action, dw, w))
+                if action.kind in ("RECV_F", "RECV_B"):
+                    # The worker posts the receive when free and blocks until the data arrives.
+                    start, end = free[w], ready
+                elif action.is_comm:
+                    start = end = ready
+                else:
+                    start = ready
+                    end = start + cost[action.kind][action.stage]
+                result[action] = (w, start, end)
+                free[w] = end
+                pos[w] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            schedule.validate()  # raises with a description of the deadlock or missing action
+            raise ScheduleError("schedule cannot be simulated")
+    return result
+
+
+def simulate(
+    schedule: Schedule,
+    forward: Cost = 1.0,
+    backward: Cost = 1.0,
+    weight: Cost = 1.0,
+    comm: Cost = 0.0,
+) -> Timeline:
+    """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.Timeline`.
+
+    Args:
+        schedule: the schedule to run.
+        forward: cost of ``F``, a scalar or one value per stage.
+        backward: cost of ``B`` (input grad), scalar or per stage. ``BW`` costs ``backward + weight``.
+        weight: cost of ``W`` (weight grad), scalar or per stage.
+        comm: delay between a producer and a consumer on different workers (activation or gradient), a
+            scalar or one value per stage boundary (``num_stages - 1`` entries; entry ``i`` is the link
+            between stages ``i`` and ``i + 1``).
+
+    Returns:
+        The timeline, in the same units as the costs.
+    """
+    times = simulate_times(schedule, forward, backward, weight, comm)
+    timeline = Timeline(schedule.num_workers)
+    for action, (w, start, end) in times.items():
+        timeline.record(w, str(action), start, end)
+    return timeline
+
+
+class CompiledSimulation:
+    """The makespan of one schedule as a fast function of per-stage costs (no Timeline, no Action objects).
+
+    It replays :func:`simulate_times`'s recurrence (start = max(worker free, dependency end + link delay))
+    in a topological order fixed once, so it returns the same makespan; the planner calls it many times.
+    It only adds and takes maxima of costs, so it is monotone: raising a cost never lowers the result.
+
+    Args:
+        schedule: the schedule.
+        comm: link delay, as in :func:`simulate`.
+    """
+
+    def __init__(self, schedule: Schedule, comm: Cost = 0.0) -> None:
+        order = list(simulate_times(schedule, comm=comm))  # insertion order is a topological order
+        index = {a: i for i, a in enumerate(order)}
+        link = _per_stage(comm, max(schedule.num_stages - 1, 0), "comm (one per stage boundary)")
+        previous: dict[int, int] = {}
+        self.num_stages = schedule.num_stages
+        self.steps: list[tuple[str, int, list[tuple[int, float]]]] = []
+        for action in order:
+            w = schedule.worker_of(action.stage)
+            deps = [(previous[w], 0.0)] if w in previous else []
+            for d in schedule.dependencies(action):
+                remote = schedule.worker_of(d.stage) != w and action.kind not in ("SEND_F", "SEND_B")
+                deps.append((index[d], link[min(d.stage, action.stage)] if remote else 0.0))
+            previous[w] = index[action]
+            self.steps.append((action.kind, action.stage, deps))
+
+    def __call__(self, forward: Sequence[float], backward: Sequence[float], weight: Sequence[float]) -> float:
+        """Makespan for per-stage costs (lists of length ``num_stages``); BW costs backward + weight."""
+        costs = {"F": forward, "B": backward, "W": weight}
+        end = [0.0] * len(self.steps)
+        for i, (kind, stage, deps) in enumerate(self.steps):
+            ready = 0.0
+            for j, delay in deps:
+                if end[j] + delay > ready:
+                    ready = end[j] + delay
+            if kind == "BW":
+                end[i] = ready + backward[stage] + weight[stage]
+            elif kind in costs:
+                end[i] = ready + costs[kind][stage]
+            else:
+                end[i] = ready
+        return max(end, default=0.0)
