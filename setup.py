@@ -36,6 +36,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     package_data={"fastpipe": ["_C.pyi"]},
+    entry_points={"console_scripts": ["fastpipe=fastpipe.cli:main"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",

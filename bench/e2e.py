@@ -1,0 +1,218 @@
+"""End-to-end step time on the reference workload, side by side in one run.
+
+Compares, on CPU:
+
+* plain ``nn.Sequential``: full batch with 1 and 2 intra-op threads, and T_mb, the same
+  M micro-batches one after another (gradient accumulation, 1 thread);
+* fastpipe, 2 stages, 1 intra-op thread per stage (checkpoint never / except_last), and
+  one stage (the engine's own overhead against T_mb);
+* torchgpipe, 2 stages on CPU, 1 thread;
+* ``torch.distributed.pipelining`` (GPipe and 1F1B) with 2 gloo ranks, 1 thread each.
+
+Every figure is reported as a ratio to the physical limit T_mb/K × (M+K−1)/M, measured in
+the same run. Timed steps are interleaved round-robin so machine noise hits all methods
+alike; the median over rounds is reported.
+
+Usage::
+
+    python bench/e2e.py --rounds 7 --json bench/out/e2e.json --png bench/out/e2e.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
+
+from fastpipe import Pipe  # noqa: E402
+
+LOSS = nn.MSELoss()
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int) -> Callable[[], None]:
+    def step() -> None:
+        torch.set_num_threads(threads)
+        model.zero_grad(set_to_none=True)
+        LOSS(model(x), y).backward()
+        torch.set_num_threads(1)
+
+    return step
+
+
+def accumulation_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) -> Callable[[], None]:
+    xs, ys = x.chunk(chunks), y.chunk(chunks)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        for xc, yc in zip(xs, ys):
+            (LOSS(model(xc), yc) * (xc.size(0) / x.size(0))).backward()
+
+    return step
+
+
+def pipe_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        pipe.zero_grad(set_to_none=True)
+        LOSS(pipe(x), y).backward()
+
+    return step
+
+
+def _pippy_worker(rank: int, schedule_name: str, warmup: int, steps: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = make_model()
+    x, y = make_batch()
+    half = len(model) // 2
+    part = nn.Sequential(*list(model)[:half]) if rank == 0 else nn.Sequential(*list(model)[half:])
+    stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+    sched = cls(stage, n_microbatches=CHUNKS, loss_fn=LOSS)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        part.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def pippy_times(schedule_name: str, warmup: int, steps: int) -> list[float]:
+    """Step times of torch.distributed.pipelining with 2 gloo ranks (1 thread each)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        port = 29500 + os.getpid() % 1000
+        mp.start_processes(_pippy_worker, args=(schedule_name, warmup, steps, port, out), nprocs=2,
+                           start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None, help="bar chart of the ratios to the limit")
+    parser.add_argument("--trace", default=None, help="Chrome trace JSON of one fastpipe step")
+    parser.add_argument("--gantt", default=None, help="PNG Gantt chart of one fastpipe step")
+    parser.add_argument("--skip-baselines", action="store_true", help="skip torchgpipe and pipelining")
+    args = parser.parse_args()
+
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    x, y = make_batch()
+    k, m = 2, CHUNKS
+    methods: dict[str, Callable[[], None]] = {}
+    plain = make_model()
+    methods["plain 1 thread"] = plain_step(plain, x, y, 1)
+    methods["plain 2 threads"] = plain_step(plain, x, y, 2)
+    methods["T_mb (accumulate 8 mb)"] = accumulation_step(plain, x, y, m)
+    pipes = {
+        "fastpipe [4,4] never": Pipe(make_model(), balance=[4, 4], chunks=m, checkpoint="never"),
+        "fastpipe [4,4] except_last": Pipe(make_model(), balance=[4, 4], chunks=m, checkpoint="except_last"),
+        "fastpipe [8] never": Pipe(make_model(), balance=[8], chunks=m, checkpoint="never"),
+    }
+    for name, pipe in pipes.items():
+        methods[name] = pipe_step(pipe, x, y)
+    if not args.skip_baselines:
+        try:
+            from torchgpipe import GPipe
+
+            tg = GPipe(make_model(), balance=[4, 4], devices=["cpu", "cpu"], chunks=m, checkpoint="never")
+            methods["torchgpipe [4,4] never"] = pipe_step(tg, x, y)
+        except Exception as exc:  # noqa: BLE001 - report and go on without it
+            print(f"torchgpipe unavailable: {exc}", file=sys.stderr)
+
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for step in methods.values():  # warm-up
+        step()
+    for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for name, step in methods.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    if not args.skip_baselines:
+        for sched in ("gpipe", "1f1b"):
+            try:
+                times[f"pipelining {sched} (2 gloo ranks)"] = pippy_times(sched, 2, args.rounds)
+            except Exception as exc:  # noqa: BLE001
+                print(f"torch.distributed.pipelining ({sched}) failed: {exc}", file=sys.stderr)
+
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    t_mb = med["T_mb (accumulate 8 mb)"]
+    limit = t_mb / k * (m + k - 1) / m
+    rows = [(name, med[name], med[name] / limit) for name in med]
+    print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {m} micro-batches, {k} stages; "
+          f"median of {args.rounds}")
+    print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
+    print(f"{'method':34s} {'ms':>8s} {'x limit':>8s}")
+    for name, t, r in rows:
+        print(f"{name:34s} {t * 1e3:8.0f} {r:8.2f}")
+    one_stage = med["fastpipe [8] never"] / t_mb
+    print(f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}")
+    result = {
+        "limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "median_s": med,
+        "ratio_to_limit": {n: r for n, _, r in rows}, "one_stage_overhead": one_stage,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1))
+        ax.barh([n for n, _, _ in rows][::-1], [r for _, _, r in rows][::-1], color="tab:blue")
+        ax.axvline(1.0, color="k", linestyle="--", label="physical limit")
+        ax.set_xlabel("step time / limit T_mb/K x (M+K-1)/M")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+    if args.trace or args.gantt:
+        pipe = pipes["fastpipe [4,4] never"]
+        pipe.trace = True  # type: ignore[assignment]
+        methods["fastpipe [4,4] never"]()
+        timeline = pipe.last_timeline  # type: ignore[attr-defined]
+        if args.trace:
+            timeline.to_chrome_trace(args.trace)
+        if args.gantt:
+            timeline.plot(args.gantt, title="fastpipe, 2 CPU stages, GPipe, 8 micro-batches")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""BatchNorm whose running statistics cover the whole mini-batch, not each micro-batch.
+
+A pipeline calls every layer once per micro-batch. A plain BatchNorm would then update
+its running mean and variance ``chunks`` times per step, each from a fraction of the
+batch. :class:`DeferredBatchNorm` normalises each micro-batch with that micro-batch's
+statistics, exactly as a plain BatchNorm does in training, but only *accumulates*
+sums for the running statistics; :meth:`DeferredBatchNorm.commit` folds them in once
+per mini-batch, so the running statistics equal those of one pass over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastpipe.runtime.worker import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norm"]
+
+
+class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """A BatchNorm (1d/2d/3d alike) that updates running statistics once per mini-batch.
+
+    Its state dict has the same keys as ``nn.BatchNorm*d``'s.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._sum: Tensor | None = None
+        self._sum_sq: Tensor | None = None
+        self._count = 0
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not (self.training and self.track_running_stats):
+            return super().forward(input)
+        if not is_recomputing():
+            self._accumulate(input)
+        # Normalise with the micro-batch's own statistics; leave running stats alone.
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _accumulate(self, input: Tensor) -> None:
+        dims = [0] + list(range(2, input.dim()))
+        x = input.detach().to(torch.float64 if input.device.type in ("cpu", "cuda") else torch.float32)
+        s, sq = x.sum(dims), (x * x).sum(dims)
+        self._sum = s if self._sum is None else self._sum + s
+        self._sum_sq = sq if self._sum_sq is None else self._sum_sq + sq
+        self._count += input.numel() // input.size(1)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the statistics accumulated since the last commit into the running ones."""
+        if self._sum is None or self._sum_sq is None or self._count == 0:
+            return
+        assert self.running_mean is not None and self.running_var is not None
+        n = self._count
+        mean = self._sum / n
+        var = (self._sum_sq / n - mean * mean).clamp_(min=0)
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+        self._sum = self._sum_sq = None
+        self._count = 0
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Return ``module`` with every ``nn.BatchNorm*d`` replaced by a DeferredBatchNorm.
+
+        Parameters and buffers are moved over (the same tensors), so nothing is copied and
+        the state dict keeps its keys.
+        """
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            for name in ("weight", "bias"):
+                setattr(new, name, getattr(module, name))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                setattr(new, name, getattr(module, name))
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Functional form of :meth:`DeferredBatchNorm.convert`."""
+    return DeferredBatchNorm.convert(module)
+
+
+def commit_deferred_batch_norm(module: nn.Module) -> None:
+    """Call :meth:`DeferredBatchNorm.commit` on every DeferredBatchNorm inside ``module``."""
+    for m in module.modules():
+        if isinstance(m, DeferredBatchNorm):
+            m.commit()

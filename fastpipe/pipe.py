@@ -1,0 +1,363 @@
+"""``Pipe``: a drop-in, pipeline-parallel replacement for ``nn.Sequential``."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from fastpipe.balance import auto_balance
+from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.microbatch import Value, batch_size, check_value, gather, replace_tensors, scatter, tensors_of
+from fastpipe.partition import (
+    Device,
+    check_balance,
+    check_module,
+    first_layer_in_place,
+    resolve_devices,
+    split,
+)
+from fastpipe.rng import draw_step_seed
+from fastpipe.runtime.local import LocalRuntime, LossSpec, Stage, StepState
+from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule, build
+from fastpipe.trace import Timeline
+
+__all__ = ["Pipe", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+Checkpoint = Literal["always", "except_last", "never"]
+
+_MOVE_REFUSED = (
+    "fastpipe.Pipe places each stage on its own device (devices=...), so it cannot be moved as a whole. "
+    "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
+    "(.to(torch.float64), .double(), .half()) are allowed."
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    if virtual_stages < 1 or stages % virtual_stages:
+        raise ValueError(
+            f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
+            "len(balance) must be a multiple of virtual_stages"
+        )
+    if name == "interleaved":
+        return build(name, stages=stages // virtual_stages, microbatches=microbatches,
+                     virtual_stages=virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
+    return build(name, stages=stages, microbatches=microbatches)
+
+
+class Pipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe's micro-batch pipeline.
+
+    The keywords are torchgpipe's, so switching is one import away::
+
+        pipe = Pipe(model, balance=[4, 4], devices=["cuda:0", "cuda:1"], chunks=8)
+        out = pipe(x)                 # equals model(x); lives on the last stage's device
+        loss_fn(out, y).backward()    # gradients equal model's, on every stage
+
+    Every stage runs in its own worker thread, also when ``devices`` repeats a device,
+    so on a CPU K stages use K cores (with ``torch.set_num_threads(1)``). The backward
+    of each stage runs in that stage's worker, so stages overlap in backward too.
+
+    Args:
+        module: the model; its layers are registered here under their own names, so
+            ``pipe.state_dict()`` has the same keys as ``module.state_dict()``.
+        balance: number of layers per stage, summing to ``len(module)``.
+        devices: one device per stage (may repeat). ``None``: one visible GPU per stage,
+            or CPU for every stage when there is no GPU.
+        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a
+            smaller last micro-batch; a batch that yields fewer micro-batches runs with
+            fewer, with a one-time warning.
+        checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last are
+            recomputed in backward) or ``"never"``. There is no recomputation in ``eval()``.
+            Recomputation replays dropout bit for bit: every (stage, micro-batch) draws from
+            its own generator, seeded once per step from the caller's generator.
+        deferred_batch_norm: replace BatchNorm layers with :class:`DeferredBatchNorm`, whose
+            running statistics equal one pass over the whole mini-batch.
+        trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
+        schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
+            since its backward comes later, from autograd).
+        virtual_stages: the default stages per worker of the ``"interleaved"`` schedule.
+        sample: with ``balance="auto"``: a mini-batch like the ones to come. Each layer's
+            forward and backward time and memory are profiled on one micro-batch of it,
+            and the planner picks the contiguous split with the least simulated step time
+            of ``schedule`` (:func:`fastpipe.balance.plan`).
+        memory_limit: with ``balance="auto"``: the most bytes (activations of all
+            micro-batches in flight plus parameters, gradients and optimizer state) one
+            stage may need.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
+        ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid, or a
+            parameter/module is shared between two stages.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | Literal["auto"],
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: Checkpoint = "except_last",
+        deferred_batch_norm: bool = False,
+        trace: bool = False,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        sample: Value | None = None,
+        memory_limit: float | None = None,
+    ) -> None:
+        super().__init__()
+        module = check_module(module)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"fastpipe: chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"fastpipe: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if isinstance(balance, str):
+            if balance != "auto":
+                raise ValueError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
+            balance = auto_balance(module, devices, sample, chunks=chunks, schedule=schedule,
+                                   virtual_stages=virtual_stages, memory_limit=memory_limit)
+        balance = check_balance(balance, len(module))
+        device_list = resolve_devices(devices, len(balance))
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
+
+        self.balance = balance
+        self.devices = device_list
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        self.trace = trace
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
+        self.last_timeline: Timeline | None = None
+
+        # Register the layers under their own names (state_dict keys match the
+        # Sequential's); the stages are plain lists so they do not register twice.
+        for name, layer in module.named_children():
+            self.add_module(name, layer)
+        stage_modules = split(module, balance)
+        for stage, device in zip(stage_modules, device_list):
+            stage.to(device)
+        self._stages = [
+            Stage(m, d, clone_input=i > 0 and first_layer_in_place(m))
+            for i, (m, d) in enumerate(zip(stage_modules, device_list))
+        ]
+        self._runtime = LocalRuntime(self._stages, recorder=None)
+        weakref.finalize(self, self._runtime.close)
+
+    # -- nn.Module surface --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self.children())[index]
+
+    @property
+    def partitions(self) -> list[nn.Sequential]:
+        """The stages, in order (each an ``nn.Sequential`` on its device)."""
+        return [s.module for s in self._stages]  # type: ignore[misc]
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        device = kwargs.get("device")
+        for a in args:
+            if isinstance(a, (str, int, torch.device)):
+                device = a
+            elif isinstance(a, Tensor):
+                device = a.device
+        if device is not None:
+            raise TypeError(_MOVE_REFUSED)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def cpu(self) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def close(self) -> None:
+        """Stop the worker threads now (they would stop when the Pipe is collected)."""
+        self._runtime.close()
+
+    # -- running ------------------------------------------------------------------------
+
+    def forward(self, input: Value) -> Value:
+        """Run the pipeline on a mini-batch; returns the output on the last stage's device."""
+        check_value(input, "input")
+        microbatches = scatter(input, self.chunks)
+        params = [p for s in self._stages for p in s.params]
+        grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params) or any(t.requires_grad for t in tensors_of(input))
+        )
+        caller = CallerState.capture()
+        step_seed = draw_step_seed()
+        self._start_timeline(self.trace, len(self._stages))
+        schedule = _schedule("gpipe", len(self._stages), len(microbatches), 1)
+        count = len(microbatches)
+        mode = self.checkpoint if self.training else "never"
+
+        def checkpoint(m: int) -> bool:
+            return mode == "always" or (mode == "except_last" and m < count - 1)
+
+        if not grad:
+            outputs, _ = self._runtime.forward(
+                schedule, microbatches, grad=False, checkpoint=checkpoint, caller=caller, step_seed=step_seed
+            )
+            self._after_forward()
+            return gather(outputs)
+
+        inputs = tensors_of(input)
+        run = _Run(self, schedule, microbatches, checkpoint, caller, step_seed, len(inputs), params)
+        flat = _PipelineFunction.apply(run, *inputs, *params)
+        return replace_tensors(run.output_structure, flat)
+
+    def train_step(
+        self,
+        input: Value,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        schedule: str | None = None,
+        virtual_stages: int | None = None,
+        trace: bool | None = None,
+    ) -> Tensor:
+        """Forward and backward of one mini-batch under a schedule; returns the loss.
+
+        The last stage computes ``loss_fn(output, target)`` per micro-batch. The returned
+        loss is the mini-batch loss, and the gradients accumulated into ``.grad`` equal
+        those of ``loss_fn(model(input), target).backward()``: for a mean-reduced loss
+        (``loss_fn.reduction == "mean"`` or no ``reduction`` attribute) each micro-batch
+        counts by its share of the samples, so uneven micro-batches are weighted right; for
+        ``reduction="sum"`` the micro-batch losses are added. (A mean over something other
+        than samples, e.g. cross-entropy with ``ignore_index``, is weighted by samples.)
+        The optimizer step is the caller's.
+
+        Args:
+            input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).
+            target: split along dim 0 like ``input`` (tensor or tuple), or ``None``.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+            schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
+                (see :mod:`fastpipe.schedule`); default: the Pipe's ``schedule``.
+            virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
+                worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
+            trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
+        """
+        check_value(input, "input")
+        microbatches = scatter(input, self.chunks)
+        count = len(microbatches)
+        targets: list[Any] = [None] * count
+        if target is not None:
+            check_value(target, "target")
+            targets = scatter(target, self.chunks)
+            if [batch_size(t, "target") for t in targets] != [batch_size(x) for x in microbatches]:
+                raise ValueError(
+                    f"fastpipe: target batch size {batch_size(target, 'target')} differs from the input's "
+                    f"{batch_size(input)}; they are split into micro-batches together"
+                )
+        sizes = [batch_size(x) for x in microbatches]
+        reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; train_step needs 'mean' or 'sum'")
+        weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * count
+        sched = _schedule(self.schedule if schedule is None else schedule, len(self._stages), count,
+                          self.virtual_stages if virtual_stages is None else virtual_stages)
+        self._start_timeline(self.trace if trace is None else trace, sched.num_workers)
+        mode = self.checkpoint if self.training else "never"
+
+        def checkpoint(m: int) -> bool:
+            return mode == "always" or (mode == "except_last" and m < count - 1)
+
+        losses, grads = self._runtime.train(
+            sched, microbatches, LossSpec(loss_fn, targets, weights), checkpoint=checkpoint,
+            caller=CallerState.capture(), step_seed=draw_step_seed(),
+        )
+        self._after_forward()
+        for stage, stage_grads in zip(self._stages, grads):
+            for p, g in zip(stage.params, stage_grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        with torch.no_grad():
+            return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum()
+
+    def _start_timeline(self, enabled: bool, workers: int) -> None:
+        timeline = Timeline(workers) if enabled else None
+        self._runtime.recorder = timeline.record if timeline is not None else None
+        self.last_timeline = timeline
+
+    def _after_forward(self) -> None:
+        if self.deferred_batch_norm and self.training:
+            for s in self._stages:
+                commit_deferred_batch_norm(s.module)
+
+
+class _Run:
+    """Carries one step's arguments into and out of the autograd Function."""
+
+    def __init__(self, pipe: Pipe, schedule: Schedule, microbatches: list[Value], checkpoint: Any,
+                 caller: CallerState, step_seed: int, num_inputs: int, params: list[nn.Parameter]) -> None:
+        self.pipe = pipe
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.checkpoint = checkpoint
+        self.caller = caller
+        self.step_seed = step_seed
+        self.num_inputs = num_inputs
+        self.params = params
+        self.output_structure: Value = ()
+        self.state: StepState | None = None
+        self.output_sizes: list[int] = []
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """The whole pipeline as one autograd node.
+
+    Its backward runs every stage's backward in that stage's worker (see
+    :mod:`fastpipe.runtime.local`), instead of letting autograd's single CPU thread walk
+    one graph stitched across stages.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, *tensors: Tensor) -> Any:
+        outputs, state = run.pipe._runtime.forward(
+            run.schedule, run.microbatches, grad=True, checkpoint=run.checkpoint, caller=run.caller,
+            step_seed=run.step_seed,
+        )
+        run.pipe._after_forward()
+        run.microbatches = []  # the state holds what backward needs
+        run.state = state
+        run.output_sizes = [tensors_of(o)[0].size(0) for o in outputs]
+        joined = gather(outputs)
+        run.output_structure = joined
+        flat = tensors_of(joined)
+        ctx.run = run
+        ctx.mark_non_differentiable(*[t for t in flat if not (t.is_floating_point() or t.is_complex())])
+        return tuple(flat)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        run: _Run = ctx.run
+        assert run.state is not None
+        per_mb: list[list[Tensor | None]] = [[] for _ in run.output_sizes]
+        for g in grads:
+            pieces = [None] * len(run.output_sizes) if g is None else list(g.split(run.output_sizes, dim=0))
+            for m, piece in enumerate(pieces):
+                per_mb[m].append(piece)
+        input_grads, param_grads = run.pipe._runtime.backward(run.state, per_mb)
+        joined: list[Tensor | None] = []
+        for i in range(run.num_inputs):
+            parts = [g for mb in input_grads if (g := mb[i]) is not None]
+            joined.append(torch.cat(parts) if len(parts) == len(input_grads) else None)
+        flat_params = [g for stage in param_grads for g in stage]
+        return (None, *joined, *flat_params)

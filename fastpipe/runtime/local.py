@@ -1,0 +1,420 @@
+"""The local runtime: one process, one worker thread per pipeline worker.
+
+It executes the per-worker action lists of a :class:`~fastpipe.schedule.Schedule`.
+Each action waits for what it needs in a :class:`Mailbox` (the previous stage's
+activation, the next stage's gradient), runs, and posts its result for the consumer.
+The order of work is the schedule's; this module only supplies the dependencies.
+
+Autograd never crosses a stage boundary. A stage's forward sees its input as a fresh
+leaf; its backward is an explicit ``torch.autograd.grad`` run *in that stage's worker*.
+That is what lets stage backwards overlap on a CPU, where torch's autograd engine would
+otherwise run every CPU backward on the one thread that called ``backward()``::
+
+      worker 0            worker 1
+    ┌──────────┐  act   ┌──────────┐
+    │ x0 ─ f0 ─┼──────▶ │ x1 ─ f1 ─┼──▶ output          (forward phase)
+    │  ▲ grad  │ ◀──────┼─ ▲ grad  │ ◀── grad_output    (backward phase)
+    └──────────┘  dx1   └──────────┘
+    x_s: leaf with requires_grad; f_s's graph stays inside worker s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fastpipe.errors import PipelineError, annotate
+from fastpipe.microbatch import Value, replace_tensors, tensors_of
+from fastpipe.rng import TaskRNG, task_seed
+from fastpipe.runtime.mailbox import Aborted
+from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
+from fastpipe.runtime.transport import LocalTransport, Transport
+from fastpipe.runtime.worker import CallerState, WorkerPool, recomputing
+from fastpipe.schedule import Action, Schedule
+
+__all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "LocalRuntime"]
+
+Recorder = Callable[[int, str, float, float], None]
+
+
+@dataclass
+class Stage:
+    """One contiguous slice of the model, pinned to a device.
+
+    Attributes:
+        module: the layers of this stage.
+        device: where its parameters live and its work runs.
+        clone_input: copy the incoming activation before use, because the first layer
+            works in place and would otherwise write into a tensor that autograd (or a
+            recompute) still needs.
+    """
+
+    module: nn.Module
+    device: torch.device
+    clone_input: bool = False
+    params: list[nn.Parameter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+
+@dataclass
+class _Task:
+    """What one (stage, micro-batch) keeps between its forward and its backward."""
+
+    inputs: Value  # the stage's input leaves
+    outputs: Value | None  # graph-attached outputs; None when checkpointed
+    seed: int
+    weight_work: WeightWork | None = None  # set by B, consumed by W
+
+
+@dataclass
+class LossSpec:
+    """The loss a training step computes on the last stage, per micro-batch.
+
+    Attributes:
+        fn: ``fn(output, target) -> scalar tensor``.
+        targets: one target per micro-batch (a tensor or tuple, or None).
+        weights: the factor of each micro-batch's loss in the mini-batch loss (for a mean
+            loss, the micro-batch's share of the samples).
+    """
+
+    fn: Callable[[Any, Any], Tensor]
+    targets: Sequence[Any]
+    weights: Sequence[float]
+
+
+@dataclass
+class StepState:
+    """Everything a step's backward phase needs from its forward phase."""
+
+    schedule: Schedule
+    caller: CallerState
+    step_seed: int
+    tasks: dict[tuple[int, int], _Task] = field(default_factory=dict)
+    consumed: bool = False
+
+
+class StepRunner:
+    """The action handlers (F, BW, B, W) of one step, over any :class:`Transport`.
+
+    Both runtimes use it: the local one with one thread per worker and a
+    :class:`LocalTransport`, a distributed one with one process per worker and a transport
+    over torch.distributed. ``stages`` holds only the stages this process runs.
+    Every handler returns the time at which its inputs had arrived, so that waiting shows
+    as a gap in the timeline, not as work.
+    """
+
+    def __init__(self, stages: Mapping[int, Stage], num_stages: int, transport: Transport, state: StepState, *,
+                 grad: bool, checkpoint: Callable[[int], bool], loss: LossSpec | None) -> None:
+        self.stages = stages  # the stages this process runs, by index
+        self.transport = transport
+        self.state = state
+        self.grad = grad
+        self.checkpoint = checkpoint
+        self.loss = loss
+        self.last = num_stages - 1
+        self.results: dict[int, Value] = {}
+        self.input_grads: dict[int, list[Tensor | None]] = {}
+        self.param_grads: dict[int, list[Tensor | None]] = {s: [None] * len(st.params) for s, st in stages.items()}
+
+    def handlers(self) -> dict[str, Callable[[Action], float]]:
+        return {"F": self.forward, "BW": self.backward, "B": self.backward_input, "W": self.backward_weight}
+
+    # -- forward --------------------------------------------------------------------
+
+    def feed(self, microbatches: Sequence[Value]) -> None:
+        """Deliver the micro-batches to stage 0."""
+        for m, value in enumerate(microbatches):
+            # The caller's tensors keep their own requires_grad: the input gradient is only
+            # computed where the plain Sequential would compute one.
+            flags = [self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(value)]
+            self.transport.send_activation(0, m, value, flags)
+
+    def _run_module(self, s: int, m: int, inputs: Value) -> Value:
+        stage = self.stages[s]
+        out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        _check_output(out, s)
+        if s == self.last and self.loss is not None:
+            loss = self.loss.fn(out, self.loss.targets[m])
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    f"fastpipe: loss_fn must return a scalar tensor, got "
+                    f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}; "
+                    "use a mean- or sum-reduced loss"
+                )
+            return loss.reshape(())
+        return out
+
+    def forward(self, action: Action) -> float:
+        s, m = action.stage, action.microbatch
+        inputs = self.transport.recv_activation(s, m)
+        started = time.perf_counter()
+        seed = task_seed(self.state.step_seed, s, m)
+        keep_graph = self.grad and not self.checkpoint(m)
+        with self.state.caller.enter(grad_enabled=keep_graph), TaskRNG(seed):
+            out = self._run_module(s, m, inputs)
+        if self.grad:
+            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, seed)
+        if s == self.last:
+            self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
+        else:
+            # Under checkpointing the output has no graph yet, but its recompute will: the
+            # consumer must still ask for its input gradient.
+            flags = [self.grad and _differentiable(t) and (t.requires_grad or not keep_graph)
+                     for t in tensors_of(out)]
+            self.transport.send_activation(s + 1, m, out, flags)
+        return started
+
+    # -- backward -------------------------------------------------------------------
+
+    def post_output_grads(self, grad_outputs: Sequence[Sequence[Tensor | None]]) -> None:
+        """Deliver the gradients of the last stage's outputs (Pipe.forward's backward)."""
+        for m, grads in enumerate(grad_outputs):
+            self.transport.send_grad(self.last, m, list(grads))
+
+    def _prepare_backward(self, s: int, m: int) -> tuple[_Task, list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """Receive the output gradient, recompute if checkpointed; (task, pairs, leaves)."""
+        task = self.state.tasks[(s, m)]
+        if s == self.last and self.loss is not None:
+            assert task.outputs is None or isinstance(task.outputs, Tensor)
+            grads: list[Tensor | None] = [None]  # filled below, once the loss exists
+        else:
+            grads = self.transport.recv_grad(s, m)
+        if task.outputs is None:  # checkpointed: replay the forward with the same RNG
+            with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
+                task.outputs = self._run_module(s, m, task.inputs)
+        if s == self.last and self.loss is not None:
+            loss = task.outputs
+            assert isinstance(loss, Tensor)
+            grads = [torch.full_like(loss, self.loss.weights[m])]
+        pairs = [(o, g) for o, g in zip(tensors_of(task.outputs), grads) if g is not None and o.requires_grad]
+        leaves = [t for t in tensors_of(task.inputs) if t.requires_grad]
+        return task, pairs, leaves
+
+    def _send_input_grads(self, s: int, m: int, inputs: Value, leaf_grads: Sequence[Tensor | None]) -> None:
+        it = iter(leaf_grads)
+        dx = [next(it) if t.requires_grad else None for t in tensors_of(inputs)]
+        if s == 0:
+            self.input_grads[m] = dx
+        else:
+            self.transport.send_grad(s - 1, m, dx)
+
+    def _accumulate(self, s: int, grads: Sequence[Tensor | None]) -> None:
+        acc = self.param_grads[s]
+        for i, g in enumerate(grads):
+            if g is not None:
+                prev = acc[i]
+                acc[i] = g if prev is None else prev.add_(g)
+
+    def backward(self, action: Action) -> float:
+        """BW: input and weight gradients in one pass."""
+        s, m = action.stage, action.microbatch
+        task, pairs, leaves = self._prepare_backward(s, m)
+        started = time.perf_counter()
+        params = self.stages[s].params
+        wrt = leaves + params
+        found: Sequence[Tensor | None] = [None] * len(wrt)
+        if pairs and wrt:
+            found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        del self.state.tasks[(s, m)], pairs
+        self._accumulate(s, found[len(leaves):])
+        self._send_input_grads(s, m, task.inputs, found[: len(leaves)])
+        return started
+
+    def backward_input(self, action: Action) -> float:
+        """B: input gradients now; what the weights need is kept for W."""
+        s, m = action.stage, action.microbatch
+        task, pairs, leaves = self._prepare_backward(s, m)
+        started = time.perf_counter()
+        leaf_grads, task.weight_work = backward_inputs(
+            [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
+        )
+        task.outputs = None
+        self._send_input_grads(s, m, task.inputs, leaf_grads)
+        return started
+
+    def backward_weight(self, action: Action) -> float:
+        """W: the deferred weight gradients of a B that already ran."""
+        s, m = action.stage, action.microbatch
+        started = time.perf_counter()
+        task = self.state.tasks.pop((s, m))
+        assert task.weight_work is not None, f"W before B for {action}"
+        self._accumulate(s, backward_weights(task.weight_work))
+        return started
+
+
+class LocalRuntime:
+    """Runs schedules over ``stages`` with one persistent thread per worker.
+
+    Args:
+        stages: the pipeline's stages, in order.
+        recorder: optional ``(worker, action_text, start_s, end_s)`` callback, called from
+            worker threads after every action (timelines).
+        copy_same_device: send hand-offs between stages on the same device through the
+            copy runtime too (as between devices). Tests use it to exercise the transfer
+            path on CPU-only hosts; it also measures that path's overhead.
+    """
+
+    def __init__(self, stages: Sequence[Stage], recorder: Recorder | None = None,
+                 copy_same_device: bool = False) -> None:
+        self.stages = list(stages)
+        self.recorder = recorder
+        self.copy_same_device = copy_same_device
+        self._pool: WorkerPool | None = None
+
+    def close(self) -> None:
+        """Stop the worker threads (they restart on the next step)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def forward(
+        self,
+        schedule: Schedule,
+        microbatches: Sequence[Value],
+        *,
+        grad: bool,
+        checkpoint: Callable[[int], bool],
+        caller: CallerState,
+        step_seed: int,
+    ) -> tuple[list[Value], StepState]:
+        """Run the schedule's F actions; return the last stage's outputs per micro-batch.
+
+        Args:
+            grad: build autograd graphs (the caller wants a backward).
+            checkpoint: ``checkpoint(mb)`` says whether micro-batch ``mb`` is recomputed in
+                the backward instead of keeping its graph.
+        """
+        state = StepState(schedule, caller, step_seed)
+        step = self._step(state, grad=grad, checkpoint=checkpoint, loss=None)
+        step.feed(microbatches)
+        self._execute(schedule, ("F",), step, "forward")
+        return [step.results[m] for m in range(len(microbatches))], state
+
+    def backward(self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]]) -> tuple[
+        list[list[Tensor | None]], list[list[Tensor | None]]
+    ]:
+        """Run the schedule's backward actions after :meth:`forward`.
+
+        Args:
+            state: from :meth:`forward` with ``grad=True``; consumed.
+            grad_outputs: per micro-batch, one gradient (or None) per tensor of the last
+                stage's output.
+
+        Returns:
+            ``(input_grads, param_grads)``: per micro-batch, the gradient of each input
+            tensor (None where it needs none); per stage, the gradient of each
+            ``stage.params`` entry summed over micro-batches.
+        """
+        if state.consumed:
+            raise PipelineError(
+                "fastpipe: backward ran twice through the same pipeline step; the step's graphs are "
+                "freed after the first backward (retain_graph is not supported), so run forward again"
+            )
+        state.consumed = True
+        step = self._step(state, grad=True, checkpoint=lambda m: False, loss=None)
+        step.post_output_grads(grad_outputs)
+        try:
+            self._execute(state.schedule, ("BW", "B", "W"), step, "backward")
+        finally:
+            state.tasks.clear()
+        return [step.input_grads[m] for m in range(len(grad_outputs))], [step.param_grads[s] for s in
+                                                                          range(len(self.stages))]
+
+    def train(
+        self,
+        schedule: Schedule,
+        microbatches: Sequence[Value],
+        loss: LossSpec,
+        *,
+        checkpoint: Callable[[int], bool],
+        caller: CallerState,
+        step_seed: int,
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
+        """Run a whole schedule, loss included, on the last stage.
+
+        Returns:
+            ``(losses, param_grads)``: each micro-batch's (unweighted) loss, detached; per
+            stage, the gradient of each ``stage.params`` entry summed over micro-batches
+            (each micro-batch's share weighted by ``loss.weights``).
+        """
+        state = StepState(schedule, caller, step_seed)
+        step = self._step(state, grad=True, checkpoint=checkpoint, loss=loss)
+        step.feed(microbatches)
+        try:
+            self._execute(schedule, ("F", "BW", "B", "W"), step, "train step")
+        finally:
+            state.tasks.clear()
+        losses = [step.results[m] for m in range(len(microbatches))]
+        return losses, [step.param_grads[s] for s in range(len(self.stages))]  # type: ignore[return-value]
+
+    def _step(self, state: StepState, *, grad: bool, checkpoint: Callable[[int], bool],
+              loss: LossSpec | None) -> StepRunner:
+        transport = LocalTransport([st.device for st in self.stages], force_copy=self.copy_same_device)
+        return StepRunner(dict(enumerate(self.stages)), len(self.stages), transport, state, grad=grad,
+                     checkpoint=checkpoint, loss=loss)
+
+    def _execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str) -> None:
+        if self._pool is None:
+            self._pool = WorkerPool(schedule.num_workers)
+        elif self._pool.size != schedule.num_workers:
+            self._pool.close()
+            self._pool = WorkerPool(schedule.num_workers)
+        recorder = self.recorder
+        handlers = step.handlers()
+
+        def job_for(worker: int) -> Callable[[], None] | None:
+            actions = [a for a in schedule.workers[worker] if a.kind in kinds]
+            if not actions:
+                return None
+
+            def job() -> None:
+                for action in actions:
+                    try:
+                        with _on_device(self.stages[action.stage].device):
+                            start = handlers[action.kind](action)
+                    except Aborted:
+                        raise
+                    except BaseException as exc:
+                        raise annotate(
+                            exc, f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
+                            f"({phase}, action {action})"
+                        ) from None
+                    if recorder is not None:
+                        recorder(worker, str(action), start, time.perf_counter())
+
+            return job
+
+        self._pool.run([job_for(w) for w in range(schedule.num_workers)], step.transport.abort)
+
+
+def _on_device(device: torch.device) -> Any:
+    """Make ``device`` current in this thread, so a stage's new CUDA tensors land on it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _fresh(value: Value) -> Value:
+    """Copies of the tensors of ``value``, for a first layer that works in place."""
+    return replace_tensors(value, [t.clone() for t in tensors_of(value)])
+
+
+def _check_output(out: Any, stage: int) -> None:
+    if isinstance(out, Tensor):
+        return
+    if isinstance(out, tuple) and any(isinstance(v, Tensor) for v in out):
+        return
+    raise TypeError(
+        f"fastpipe: stage {stage} returned {type(out).__name__}; a stage must return a Tensor or a tuple "
+        "holding tensors (the next stage, or the caller, receives it)"
+    )

@@ -1,0 +1,51 @@
+"""Write-once slots through which pipeline workers hand values to each other."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from typing import Any
+
+__all__ = ["Mailbox", "Aborted"]
+
+
+class Aborted(Exception):
+    """Raised in a worker waiting on a mailbox whose phase failed elsewhere."""
+
+
+class Mailbox:
+    """Slots keyed by e.g. ``("act", stage, mb)``; ``take`` blocks until ``put``.
+
+    One condition variable serves all slots: a pipeline has a handful of workers, so the
+    cost of waking all of them on each ``put`` is small, and ``abort`` can wake every
+    waiter at once.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._slots: dict[Hashable, Any] = {}
+        self._aborted: BaseException | None = None
+
+    def put(self, key: Hashable, value: Any) -> None:
+        """Deliver ``value``; each key is written once per phase."""
+        with self._cond:
+            if key in self._slots:
+                raise RuntimeError(f"fastpipe: mailbox slot {key!r} written twice (a schedule bug)")
+            self._slots[key] = value
+            self._cond.notify_all()
+
+    def take(self, key: Hashable) -> Any:
+        """Remove and return the value for ``key``, waiting for it if needed."""
+        with self._cond:
+            while key not in self._slots:
+                if self._aborted is not None:
+                    raise Aborted(f"pipeline phase aborted while waiting for {key!r}") from None
+                self._cond.wait()
+            return self._slots.pop(key)
+
+    def abort(self, exc: BaseException) -> None:
+        """Wake every waiter with :class:`Aborted`; values already delivered are dropped."""
+        with self._cond:
+            self._aborted = exc
+            self._slots.clear()
+            self._cond.notify_all()

@@ -1,0 +1,61 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import DeferredBatchNorm, Pipe
+
+
+def bn_model():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6, momentum=None))
+
+
+def stats_model(momentum):
+    # Only one BatchNorm: later ones would see inputs normalised per micro-batch, which
+    # legitimately differ from a full-batch pass.
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(4, momentum=momentum),
+                         nn.Flatten(), nn.Linear(100, 6), nn.Tanh())
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_running_stats_equal_one_full_batch_pass(checkpoint, momentum):
+    model = stats_model(momentum)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[3, 3], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True)
+    for step in range(3):
+        x = torch.randn(16, 3, 5, 5) * (step + 1) + step
+        pipe(x).sum().backward()
+        ref(x)
+    for key, value in ref.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            torch.testing.assert_close(pipe.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_keys_match_and_layers_converted():
+    model = bn_model()
+    keys = list(model.state_dict())
+    pipe = Pipe(model, balance=[3, 3], chunks=2, deferred_batch_norm=True)
+    assert list(pipe.state_dict()) == keys
+    assert isinstance(pipe[1], DeferredBatchNorm)
+
+
+def test_eval_uses_running_stats():
+    model = bn_model()
+    pipe = Pipe(model, balance=[3, 3], chunks=2, deferred_batch_norm=True)
+    pipe(torch.randn(8, 3, 5, 5))
+    pipe.eval()
+    ref = copy.deepcopy(nn.Sequential(*[pipe[i] for i in range(6)]))
+    x = torch.randn(4, 3, 5, 5)
+    torch.testing.assert_close(pipe(x), ref(x))
+
+
+def test_normalises_each_micro_batch_like_torch():
+    # In training, each micro-batch is normalised with its own statistics, as BatchNorm
+    # does for a batch of that size.
+    bn = nn.BatchNorm1d(5)
+    dbn = DeferredBatchNorm.convert(copy.deepcopy(bn))
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(dbn(x), bn(x))
