@@ -124,7 +124,7 @@ class Pipe(nn.Module):
             raise ValueError(f"fastpipe: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if isinstance(balance, str):
             if balance != "auto":
-                raise ValueError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
+                raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
             balance = auto_balance(module, devices, sample, chunks=chunks, schedule=schedule,
                                    virtual_stages=virtual_stages, memory_limit=memory_limit)
         balance = check_balance(balance, len(module))

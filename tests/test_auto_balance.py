@@ -36,5 +36,5 @@ def test_auto_balance_errors():
             Pipe(lopsided(), balance="auto", sample=torch.randn(8, 32))
     with pytest.raises(ValueError, match="cannot fill"):
         Pipe(lopsided(), balance="auto", devices=["cpu"] * 7, sample=torch.randn(8, 32))
-    with pytest.raises(ValueError, match="list of layer counts or 'auto'"):
+    with pytest.raises(TypeError, match="list of layer counts or 'auto'"):
         Pipe(lopsided(), balance="even", devices=["cpu"] * 2)

@@ -33,7 +33,7 @@ def test_empty_sequential():
         ([], ValueError, "empty"),
         ([2.0, 2], TypeError, "not an int"),
         ([True, 3], TypeError, "not an int"),
-        ("22", TypeError, "list of layer counts"),
+        ("22", TypeError, "list of layer counts or 'auto'"),
         (4, TypeError, "list of layer counts"),
     ],
 )

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# GPU checks for fastpipe.kernels; called from bench/gpu_check.sh. Usage: bench/gpu_kernels.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-.}"
+mkdir -p "$out"
+unset TRITON_INTERPRET
+python -m pytest -m gpu tests/kernels -q
+python bench/kernels.py --json "$out/kernels.json"

@@ -1,0 +1,110 @@
+"""Shared helpers: optional Triton import, the dispatch rule, dropout seeds and masks.
+
+Dispatch rule (the same for every op in this package)::
+
+    Triton kernels  if the tensor is CUDA, or TRITON_INTERPRET == "1"
+    PyTorch path    otherwise (CPU tensors), with the same saving strategy
+
+Nothing here imports the rest of fastpipe, and everything works without triton installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: the PyTorch reference path needs none of it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "interpreting",
+    "use_triton",
+    "next_pow2",
+    "draw_seed",
+    "as_seed_tensor",
+    "reference_keep_mask",
+    "dropout_scale",
+    "autocast_state",
+    "autocast_like",
+]
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels should handle ``t`` (CUDA tensor, or interpreter mode).
+
+    Raises:
+        ValueError: ``t`` has 2**31 elements or more (the kernels index with int32).
+    """
+    if not (HAS_TRITON and (t.is_cuda or interpreting())):
+        return False
+    if t.numel() >= 2**31:
+        raise ValueError(f"fastpipe.kernels: {t.numel()} elements exceed int32 indexing; split the tensor")
+    return True
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (and >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """Draw a dropout seed from torch's default generator of ``device``.
+
+    The seed stays a one-element int64 tensor on ``device`` (no host sync on CUDA). A pipeline
+    that restores torch's RNG state before a recompute draws the same seed, hence the same mask.
+    """
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+def as_seed_tensor(seed: int | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Turn an explicit seed (int or tensor) into a one-element int64 tensor; draw one if None."""
+    if seed is None:
+        return draw_seed(device)
+    if isinstance(seed, torch.Tensor):
+        return seed.reshape(1).to(device=device, dtype=torch.int64)
+    return torch.tensor([int(seed)], device=device, dtype=torch.int64)
+
+
+def reference_keep_mask(seed: torch.Tensor, numel: int, p: float, device: torch.device) -> torch.Tensor:
+    """Keep-mask of the PyTorch path: a ``torch.Generator`` seeded with ``seed``; flat, bool.
+
+    Element ``i`` of a tensor is kept when ``u_i >= p``; ``u`` depends only on the seed and the
+    element's flat index, so a recompute with the same seed drops the same elements.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed.item()))
+    return torch.rand(numel, generator=gen, device=device) >= p
+
+
+def dropout_scale(p: float) -> float:
+    """Scale applied to kept elements (0 when everything is dropped)."""
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def autocast_state(t: torch.Tensor) -> tuple[str, bool, torch.dtype]:
+    """Autocast state for ``t``'s device type, to be replayed in backward (any device type,
+    unlike ``torch.amp.custom_fwd`` which is bound to one)."""
+    dev = t.device.type
+    return dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+
+
+def autocast_like(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
+    """Context manager re-entering a state recorded by :func:`autocast_state`."""
+    dev, enabled, dtype = state
+    return torch.autocast(dev, dtype=dtype, enabled=enabled)
