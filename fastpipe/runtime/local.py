@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, task_seed
+from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.transport import LocalTransport, Transport
@@ -362,6 +363,8 @@ class LocalRuntime:
                      checkpoint=checkpoint, loss=loss)
 
     def _execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str) -> None:
+        if self._pool is None and any(st.device.type == "cpu" for st in self.stages):
+            tune_host_allocator()  # before the workers' first allocation (see host_alloc)
         if self._pool is None:
             self._pool = WorkerPool(schedule.num_workers)
         elif self._pool.size != schedule.num_workers:
