@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -301,22 +302,21 @@ class Pipe(nn.Module):
                 commit_deferred_batch_norm(s.module)
 
 
+@dataclass
 class _Run:
     """Carries one step's arguments into and out of the autograd Function."""
 
-    def __init__(self, pipe: Pipe, schedule: Schedule, microbatches: list[Value], checkpoint: Any,
-                 caller: CallerState, step_seed: int, num_inputs: int, params: list[nn.Parameter]) -> None:
-        self.pipe = pipe
-        self.schedule = schedule
-        self.microbatches = microbatches
-        self.checkpoint = checkpoint
-        self.caller = caller
-        self.step_seed = step_seed
-        self.num_inputs = num_inputs
-        self.params = params
-        self.output_structure: Value = ()
-        self.state: StepState | None = None
-        self.output_sizes: list[int] = []
+    pipe: Pipe
+    schedule: Schedule
+    microbatches: list[Value]
+    checkpoint: Callable[[int], bool]
+    caller: CallerState
+    step_seed: int
+    num_inputs: int
+    params: list[nn.Parameter]
+    output_structure: Value = ()
+    state: StepState | None = None
+    output_sizes: list[int] = field(default_factory=list)
 
 
 class _PipelineFunction(torch.autograd.Function):
