@@ -11,6 +11,7 @@ Nothing here imports the rest of fastpipe, and everything works without triton i
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -43,6 +44,33 @@ __all__ = [
 def interpreting() -> bool:
     """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _serialize_interpreter() -> None:
+    """Let only one thread at a time run an interpreted kernel.
+
+    While it runs a kernel, Triton's interpreter patches ``triton.language`` globally and
+    restores it afterwards, so two threads interpreting at once (pipeline stages in their
+    worker threads) break each other's kernels. Compiled kernels on a GPU are unaffected.
+    """
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.run, "_fastpipe_serialized", False):
+        return
+    lock = threading.RLock()
+    original = cls.run
+
+    def run(self: object, *args: object, **kwargs: object) -> object:
+        with lock:
+            return original(self, *args, **kwargs)
+
+    run._fastpipe_serialized = True  # type: ignore[attr-defined]
+    cls.run = run
+
+
+if HAS_TRITON and interpreting():
+    _serialize_interpreter()
 
 
 def use_triton(t: torch.Tensor) -> bool:

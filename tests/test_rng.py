@@ -128,3 +128,4 @@ def test_task_seeds_are_distinct():
     seeds = {task_seed(123, s, m) for s in range(8) for m in range(64)}
     assert len(seeds) == 8 * 64
     assert all(0 <= s < 2**63 for s in seeds)
+
