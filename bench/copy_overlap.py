@@ -25,8 +25,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-import fastpipe._C as _C
 import torch
+
+import fastpipe._C as _C
 
 Setup = tuple[Callable[[int], None], Callable[[int], None], Callable[[], None], str]
 

@@ -19,10 +19,11 @@ import sys
 import time
 from collections.abc import Callable
 
-import fastpipe.kernels as fk
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import fastpipe.kernels as fk
 
 __all__ = ["main"]
 

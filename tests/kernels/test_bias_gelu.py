@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fastpipe.kernels import GELU, bias_gelu, swiglu
 from kernel_testutils import INTERPRET
+
+from fastpipe.kernels import GELU, bias_gelu, swiglu
 
 SHAPES = [(1, 33), (7, 768), (129, 1000)]
 

@@ -12,8 +12,9 @@ import pathlib
 import shutil
 
 import pytest
-from fastpipe.kernels import HAS_TRITON
 from kernel_testutils import INTERPRET
+
+from fastpipe.kernels import HAS_TRITON
 
 
 def _has_ptxas() -> bool:

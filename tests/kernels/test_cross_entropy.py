@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fastpipe.kernels import linear_cross_entropy
 from kernel_testutils import INTERPRET
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastpipe.kernels import linear_cross_entropy
 
 
 class LargestTensor(TorchDispatchMode):

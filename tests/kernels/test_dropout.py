@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from fastpipe.kernels import Dropout, dropout
 from torch.utils.checkpoint import checkpoint
+
+from fastpipe.kernels import Dropout, dropout
 
 
 def test_same_seed_same_mask_other_seed_other_mask():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fastpipe.kernels import bias_gelu_linear, layer_norm_linear, rms_norm_linear
 
 SHAPES = [(1, 33, 65), (7, 768, 33), (129, 1000, 17)]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import fastpipe.kernels as fk
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testutils import EagerMLPBlock, count_saved_bytes
+
+import fastpipe.kernels as fk
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,9 @@ import pathlib
 import subprocess
 import sys
 
-import fastpipe.kernels
 import torch
+
+import fastpipe.kernels
 
 KERNELS_DIR = pathlib.Path(fastpipe.kernels.__file__).parent
 

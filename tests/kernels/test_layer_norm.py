@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fastpipe.kernels import add_dropout_layer_norm, add_dropout_rms_norm, dropout
 from kernel_testutils import INTERPRET
+
+from fastpipe.kernels import add_dropout_layer_norm, add_dropout_rms_norm, dropout
 
 SHAPES = [(1, 33), (7, 768), (129, 1000)] if INTERPRET else [(1, 33), (7, 768), (129, 1000), (129, 33)]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fastpipe.kernels import MLPBlock
 from kernel_testutils import INTERPRET, EagerMLPBlock
 from torch.utils.checkpoint import checkpoint
+
+from fastpipe.kernels import MLPBlock
 
 ROWS = 3 if INTERPRET else 16
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 
-import fastpipe.kernels as fk
 import torch
 from torch import nn
+
+import fastpipe.kernels as fk
 
 
 def _model() -> nn.Sequential:
