@@ -23,7 +23,7 @@ def test_imports_nothing_from_the_engine():
                 assert not any(a.name.startswith("fastpipe") for a in node.names), path
 
 
-def test_works_without_triton():
+def test_works_without_triton(tmp_path):
     code = (
         "import sys\n"
         "class Block:\n"
@@ -39,7 +39,9 @@ def test_works_without_triton():
         "print('ok')\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    # Run outside the checkout so the installed package is imported, not the source tree.
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=tmp_path)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
