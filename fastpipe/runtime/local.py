@@ -180,14 +180,19 @@ class StepRunner:
         for m, grads in enumerate(grad_outputs):
             self.transport.send_grad(self.last, m, list(grads))
 
-    def _prepare_backward(self, s: int, m: int) -> tuple[_Task, list[tuple[Tensor, Tensor]], list[Tensor]]:
-        """Receive the output gradient, recompute if checkpointed; (task, pairs, leaves)."""
+    def _prepare_backward(self, s: int, m: int) -> tuple[_Task, list[tuple[Tensor, Tensor]], list[Tensor], float]:
+        """Receive the output gradient, recompute if checkpointed.
+
+        Returns (task, (output, grad) pairs, input leaves, the time the gradient had
+        arrived: a recompute is work and shows in the action's bar).
+        """
         task = self.state.tasks[(s, m)]
         if s == self.last and self.loss is not None:
             assert task.outputs is None or isinstance(task.outputs, Tensor)
             grads: list[Tensor | None] = [None]  # filled below, once the loss exists
         else:
             grads = self.transport.recv_grad(s, m)
+        started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
             with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
                 task.outputs = self._run_module(s, m, task.inputs)
@@ -197,7 +202,7 @@ class StepRunner:
             grads = [torch.full_like(loss, self.loss.weights[m])]
         pairs = [(o, g) for o, g in zip(tensors_of(task.outputs), grads) if g is not None and o.requires_grad]
         leaves = [t for t in tensors_of(task.inputs) if t.requires_grad]
-        return task, pairs, leaves
+        return task, pairs, leaves, started
 
     def _send_input_grads(self, s: int, m: int, inputs: Value, leaf_grads: Sequence[Tensor | None]) -> None:
         it = iter(leaf_grads)
@@ -217,8 +222,7 @@ class StepRunner:
     def backward(self, action: Action) -> float:
         """BW: input and weight gradients in one pass."""
         s, m = action.stage, action.microbatch
-        task, pairs, leaves = self._prepare_backward(s, m)
-        started = time.perf_counter()
+        task, pairs, leaves, started = self._prepare_backward(s, m)
         params = self.stages[s].params
         wrt = leaves + params
         found: Sequence[Tensor | None] = [None] * len(wrt)
@@ -232,8 +236,7 @@ class StepRunner:
     def backward_input(self, action: Action) -> float:
         """B: input gradients now; what the weights need is kept for W."""
         s, m = action.stage, action.microbatch
-        task, pairs, leaves = self._prepare_backward(s, m)
-        started = time.perf_counter()
+        task, pairs, leaves, started = self._prepare_backward(s, m)
         leaf_grads, task.weight_work = backward_inputs(
             [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
         )
