@@ -4,7 +4,8 @@ Compares, on CPU:
 
 * plain ``nn.Sequential``: full batch with 1 and 2 intra-op threads, and T_mb, the same
   M micro-batches one after another (gradient accumulation, 1 thread);
-* fastpipe, 2 stages, 1 intra-op thread per stage (checkpoint never / except_last), and
+* fastpipe, 2 stages, 1 intra-op thread per stage: ``pipe(x)`` + ``loss.backward()``
+  (GPipe; checkpoint never / except_last), ``train_step`` with 1F1B and zero-bubble, and
   one stage (the engine's own overhead against T_mb);
 * torchgpipe, 2 stages on CPU, 1 thread;
 * ``torch.distributed.pipelining`` (GPipe and 1F1B) with 2 gloo ranks, 1 thread each.
@@ -66,6 +67,14 @@ def pipe_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
     def step() -> None:
         pipe.zero_grad(set_to_none=True)
         LOSS(pipe(x), y).backward()
+
+    return step
+
+
+def train_step(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, schedule: str) -> Callable[[], None]:
+    def step() -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(x, y, LOSS, schedule=schedule)
 
     return step
 
@@ -144,6 +153,9 @@ def main() -> None:
     }
     for name, pipe in pipes.items():
         methods[name] = pipe_step(pipe, x, y)
+    for sched in ("1f1b", "zb-h1"):
+        pipe = Pipe(make_model(), balance=[4, 4], chunks=m, checkpoint="never")
+        methods[f"fastpipe train_step {sched}"] = train_step(pipe, x, y, sched)
     if not args.skip_baselines:
         try:
             from torchgpipe import GPipe
