@@ -6,9 +6,12 @@ gradients as the plain model.
 """
 
 from fastpipe.batchnorm import DeferredBatchNorm
+from fastpipe.checkpoint import load, save
+from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 
 __version__ = "0.1.0"
 
-__all__ = ["Pipe", "PipelineError", "DeferredBatchNorm", "CHECKPOINT_MODES", "__version__"]
+__all__ = ["Pipe", "DistributedPipe", "PipelineError", "DeferredBatchNorm", "CHECKPOINT_MODES", "save", "load",
+           "__version__"]

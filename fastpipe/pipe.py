@@ -95,12 +95,25 @@ class Pipe(nn.Module):
         memory_limit: with ``balance="auto"``: the most bytes (activations of all
             micro-batches in flight plus parameters, gradients and optimizer state) one
             stage may need.
+        process_group, mesh: run one stage per process over ``torch.distributed`` instead
+            (launch with ``torchrun``): ``Pipe(...)`` then returns a
+            :class:`fastpipe.DistributedPipe`, which keeps only this rank's layers and trains
+            with :meth:`~fastpipe.DistributedPipe.train_step` (its extra keywords, e.g.
+            ``timeout``, ``on_nan``, ``dp_group``, pass through).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
         ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid, or a
             parameter/module is shared between two stages.
     """
+
+    def __new__(cls, *args: Any, process_group: Any = None, mesh: Any = None, **kwargs: Any) -> Any:
+        """With ``process_group=`` or ``mesh=``: one process per stage, a :class:`DistributedPipe`."""
+        if process_group is not None or mesh is not None:
+            from fastpipe.distributed_pipe import DistributedPipe
+
+            return DistributedPipe(*args, process_group=process_group, mesh=mesh, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -116,6 +129,8 @@ class Pipe(nn.Module):
         virtual_stages: int = 1,
         sample: Value | None = None,
         memory_limit: float | None = None,
+        process_group: Any = None,
+        mesh: Any = None,
     ) -> None:
         super().__init__()
         module = check_module(module)

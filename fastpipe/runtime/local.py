@@ -220,17 +220,33 @@ class StepRunner:
                 acc[i] = g if prev is None else prev.add_(g)
 
     def backward(self, action: Action) -> float:
-        """BW: input and weight gradients in one pass."""
+        """BW: input and weight gradients in one pass.
+
+        Autograd adds each weight gradient into this step's running sum as soon as it is
+        produced, the way ``loss.backward()`` accumulates into ``.grad``: the sums are
+        swapped into ``p.grad`` for the call (a stage's parameters belong to this worker
+        alone). ``torch.autograd.grad`` would instead hold all of a micro-batch's weight
+        gradients at once before they are summed, which costs memory and, on a CPU, page
+        faults.
+        """
         s, m = action.stage, action.microbatch
         task, pairs, leaves, started = self._prepare_backward(s, m)
         params = self.stages[s].params
-        wrt = leaves + params
-        found: Sequence[Tensor | None] = [None] * len(wrt)
-        if pairs and wrt:
-            found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        leaf_grads: list[Tensor | None] = [None] * len(leaves)
+        if pairs and (leaves or params):
+            acc = self.param_grads[s]
+            saved = [p.grad for p in params]
+            try:
+                for p, g in zip(params, acc):
+                    p.grad = g
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=[*leaves, *params])
+                acc[:] = [p.grad for p in params]
+            finally:
+                for p, g in zip(params, saved):
+                    p.grad = g
+            leaf_grads = [t.grad for t in leaves]
         del self.state.tasks[(s, m)], pairs
-        self._accumulate(s, found[len(leaves):])
-        self._send_input_grads(s, m, task.inputs, found[: len(leaves)])
+        self._send_input_grads(s, m, task.inputs, leaf_grads)
         return started
 
     def backward_input(self, action: Action) -> float:

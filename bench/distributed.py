@@ -1,0 +1,137 @@
+"""Distributed pipeline step time on the reference workload, side by side in one run.
+
+Two gloo processes with one intra-op thread each run the foundation workload (8 residual
+MLP blocks 512/2048, batch 256, 8 micro-batches, split [4, 4]) with:
+
+* fastpipe's ``DistributedPipe`` (1F1B, GPipe and ZB-H1, checkpoint never);
+* ``torch.distributed.pipelining`` (Schedule1F1B and ScheduleGPipe, the same split and
+  micro-batches);
+
+and every figure is a ratio to the limit T_mb/2 × 9/8, where T_mb is one thread doing the
+same 8 micro-batches one after another (gradient accumulation), measured in the same run
+(between the distributed runs; the median of all its rounds). Each distributed
+step is timed between two barriers on rank 0; the median over rounds is reported.
+
+Usage::
+
+    python bench/distributed.py --rounds 7 --repeats 2 --json bench/out/distributed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import LOSS, _pippy_worker, accumulation_step  # noqa: E402
+from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
+
+K = 2
+
+
+def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: int, out: str) -> None:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=K)
+    pipe = DistributedPipe(make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never")
+    x, y = make_batch()
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(x if rank == 0 else None, y if rank == K - 1 else None, LOSS)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def _spawn(worker: object, name: str, warmup: int, steps: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        port = store.port  # a free port; released just before the ranks bind it
+        del store
+        mp.start_processes(worker, args=(name, warmup, steps, port, out), nprocs=K, start_method="spawn")
+        with open(out) as f:
+            return list(json.load(f))
+
+
+def _t_mb(rounds: int) -> list[float]:
+    torch.set_num_threads(1)
+    x, y = make_batch()
+    step = accumulation_step(make_model(), x, y, CHUNKS)
+    step()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over all methods (alternating)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-pipelining", action="store_true")
+    args = parser.parse_args()
+
+    load_before = os.getloadavg()
+    runs = [(f"fastpipe {s} (2 gloo ranks)", _fastpipe_worker, s) for s in ("1f1b", "gpipe", "zb-h1")]
+    if not args.skip_pipelining:
+        runs += [(f"pipelining {s} (2 gloo ranks)", _pippy_worker, s) for s in ("1f1b", "gpipe")]
+    times: dict[str, list[float]] = {}
+    t_mb_times: list[float] = []
+    for _ in range(args.repeats):  # T_mb is measured between the runs, so it sees the same load
+        for name, worker, sched in runs:
+            t_mb_times += _t_mb(max(1, args.rounds // 2))
+            try:
+                times.setdefault(name, []).extend(_spawn(worker, sched, args.warmup, args.rounds))
+            except Exception as exc:  # noqa: BLE001 - report and go on without it
+                print(f"{name} failed: {exc}", file=sys.stderr)
+    t_mb_times += _t_mb(max(1, args.rounds // 2))
+    load_after = os.getloadavg()
+
+    t_mb = statistics.median(t_mb_times)
+    limit = t_mb / K * (CHUNKS + K - 1) / CHUNKS
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {CHUNKS} micro-batches, {K} gloo ranks x "
+          f"1 thread; median of {args.repeats} x {args.rounds} steps; load average {load_before[0]:.2f} -> "
+          f"{load_after[0]:.2f}")
+    print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
+    print(f"{'method':34s} {'ms':>8s} {'x limit':>8s}")
+    for name, t in med.items():
+        print(f"{name:34s} {t * 1e3:8.0f} {t / limit:8.2f}")
+    result = {"limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "repeats": args.repeats, "median_s": med,
+              "ratio_to_limit": {n: t / limit for n, t in med.items()},
+              "load_average": {"before": load_before, "after": load_after}}
+    print(json.dumps(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

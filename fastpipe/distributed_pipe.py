@@ -1,0 +1,277 @@
+"""``DistributedPipe``: one pipeline stage (or several, interleaved) per process.
+
+Launch one process per pipeline rank (``torchrun``), build the model (or only this rank's
+part of it) and call :meth:`DistributedPipe.train_step` on every rank::
+
+    dist.init_process_group()                       # gloo on CPU, nccl on GPUs
+    pipe = DistributedPipe(model, balance=[2, 2, 2, 2], chunks=8, schedule="1f1b",
+                           process_group=dist.group.WORLD)
+    loss = pipe.train_step(x, y, loss_fn)           # x read on stage 0's rank, y on the last
+    opt.step()                                      # opt holds pipe.parameters(): this rank's stage
+
+Rank ``r`` of the pipeline group holds stage ``r``; with more stages than ranks
+(``len(balance) = K * v``, schedule ``"interleaved"``) it holds stages ``r, r+K, …``.
+With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
+``"dp"``), every stage's gradients are averaged over its data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.errors import PipelineError
+from fastpipe.microbatch import Value, batch_size, check_value, scatter
+from fastpipe.partition import check_balance, check_module, first_layer_in_place, split
+from fastpipe.rng import draw_step_seed
+from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
+from fastpipe.runtime.local import LossSpec, Stage
+from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule, build
+
+__all__ = ["DistributedPipe"]
+
+Checkpoint = Literal["always", "except_last", "never"]
+StageBuilder = Callable[[int], nn.Module]
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, workers: int, stages: int, microbatches: int) -> Schedule:
+    if stages == workers:
+        return build(name, stages=workers, microbatches=microbatches)
+    if name != "interleaved" or stages % workers:
+        raise ValueError(
+            f"fastpipe: {stages} stages on {workers} ranks needs schedule='interleaved' and a multiple of "
+            f"{workers} stages (got schedule={name!r})"
+        )
+    return build(name, stages=workers, microbatches=microbatches, virtual_stages=stages // workers)
+
+
+def _groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
+    if mesh is not None:
+        if process_group is not None or dp_group is not None:
+            raise ValueError("fastpipe: give either mesh= or process_group=/dp_group=, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if "pp" not in names:
+            raise ValueError(f"fastpipe: the DeviceMesh needs a dimension named 'pp' (has {names})")
+        return mesh.get_group("pp"), mesh.get_group("dp") if "dp" in names else None
+    return (process_group if process_group is not None else dist.group.WORLD), dp_group
+
+
+class DistributedPipe(nn.Module):
+    """The stages of an ``nn.Sequential`` that this rank holds, trained under a schedule.
+
+    Local layers are registered under their names in the Sequential, so ``state_dict()``
+    holds this rank's share of the Sequential's keys (see :func:`fastpipe.save`).
+
+    Args:
+        module: the whole model. Layers of other ranks' stages are released
+            (moved to the meta device), so build the full model once per host only when
+            it fits; otherwise use :meth:`from_stage_builder`.
+        balance: layers per stage; ``len(balance)`` is the pipeline group size, or a multiple
+            of it with ``schedule="interleaved"``.
+        chunks: micro-batches per mini-batch.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` or ``"interleaved"``.
+        checkpoint: as for :class:`fastpipe.Pipe`.
+        process_group: the pipeline group (default: WORLD).
+        mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
+        dp_group: the data-parallel group of this rank's replicas (with ``process_group``).
+        device: where this rank's stages live (default: the current GPU under NCCL, else CPU).
+        deferred_batch_norm: as for :class:`fastpipe.Pipe`.
+        timeout: bound in seconds on every wait; a dead or failed peer raises
+            :class:`~fastpipe.PipelineError` on every rank within it.
+        on_nan: a NaN/inf loss ``"raise"`` s :class:`~fastpipe.PipelineError` on every rank
+            (naming step and micro-batch), or ``"skip"`` s the step: no gradients are
+            accumulated and the non-finite loss is returned.
+        free_others: release the layers of other ranks' stages in ``module``.
+        bucket_bytes: size of one data-parallel gradient all-reduce bucket.
+    """
+
+    def __init__(self, module: nn.Sequential | None, balance: Sequence[int], *, chunks: int = 1,
+                 schedule: str = "1f1b", checkpoint: Checkpoint = "except_last", process_group: Any = None,
+                 mesh: Any = None, dp_group: Any = None, device: torch.device | str | None = None,
+                 deferred_batch_norm: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 on_nan: Literal["raise", "skip"] = "raise", free_others: bool = True,
+                 bucket_bytes: int = 25 << 20,
+                 _stage_modules: dict[int, nn.Sequential] | None = None) -> None:
+        super().__init__()
+        if on_nan not in ("raise", "skip"):
+            raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"fastpipe: chunks must be an int >= 1, got {chunks!r}")
+        group, dp = _groups(process_group, mesh, dp_group)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        balance = list(balance)
+        if len(balance) % size:
+            raise ValueError(f"fastpipe: {len(balance)} stages do not spread over {size} pipeline ranks")
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        mine = [s for s in range(len(balance)) if s % size == rank]
+        if _stage_modules is None:
+            assert module is not None
+            module = check_module(module)
+            balance = check_balance(balance, len(module))
+            if deferred_batch_norm:
+                module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
+            parts = split(module, balance)
+            if free_others:
+                for s, part in enumerate(parts):
+                    if s not in mine:
+                        part.to("meta")
+            _stage_modules = {s: parts[s] for s in mine}
+        _schedule(schedule, size, len(balance), chunks)  # fail early on a bad combination
+        self.balance = balance
+        self.chunks = chunks
+        self.schedule = schedule
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        self.on_nan = on_nan
+        self.group, self.dp_group = group, dp
+        stages: dict[int, Stage] = {}
+        for s in mine:
+            part = _stage_modules[s].to(self.device)
+            for name, layer in part.named_children():
+                self.add_module(name, layer)
+            stages[s] = Stage(part, self.device, clone_input=s > 0 and first_layer_in_place(part))
+        self._stages = stages
+        self._runtime = DistributedRuntime(stages, len(balance), group=group, dp_group=dp, timeout=timeout,
+                                           bucket_bytes=bucket_bytes)
+
+    @classmethod
+    def from_stage_builder(cls, builder: StageBuilder, balance: Sequence[int], **kwargs: Any) -> DistributedPipe:
+        """Build only this rank's stages: ``builder(stage)`` returns that stage's layers.
+
+        ``builder(s)`` returns an ``nn.Sequential`` of ``balance[s]`` layers. Layers named
+        ``"0".."n-1"`` are renamed to their index in the whole model (so keys match the full
+        Sequential's); other names are kept. A stage built on the meta device
+        (``with torch.device("meta"): ...``) is materialised with ``to_empty`` and every
+        submodule's ``reset_parameters()``.
+        """
+        group, _ = _groups(kwargs.get("process_group"), kwargs.get("mesh"), kwargs.get("dp_group"))
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        device = torch.device(kwargs.get("device") or "cpu")
+        modules: dict[int, nn.Sequential] = {}
+        for s in range(rank, len(balance), size):
+            part = builder(s)
+            if not isinstance(part, nn.Sequential):
+                part = nn.Sequential(part)
+            if len(part) != balance[s]:
+                raise ValueError(f"fastpipe: builder({s}) made {len(part)} layers, balance says {balance[s]}")
+            offset = sum(balance[:s])
+            names = [n for n, _ in part.named_children()]
+            if names == [str(i) for i in range(len(names))]:
+                part = nn.Sequential(OrderedDict((str(offset + i), m) for i, m in enumerate(part)))
+            if any(t.is_meta for t in _module_tensors(part)):
+                part = part.to_empty(device=device)
+                for sub in part.modules():
+                    reset = getattr(sub, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+            modules[s] = part
+        return cls(None, balance, _stage_modules=modules, **kwargs)
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """This rank's stages by index."""
+        return {s: st.module for s, st in self._stages.items()}
+
+    @property
+    def is_first(self) -> bool:
+        """This rank reads the input."""
+        return 0 in self._stages
+
+    @property
+    def is_last(self) -> bool:
+        """This rank reads the target and computes the loss."""
+        return len(self.balance) - 1 in self._stages
+
+    def forward(self, input: Value) -> Value:
+        raise NotImplementedError("fastpipe: a DistributedPipe trains with train_step(x, y, loss_fn)")
+
+    def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+        """Forward and backward of one mini-batch; call it on every rank.
+
+        ``input`` is read on stage 0's rank and ``target`` on the last stage's (both may be
+        None elsewhere). Gradients accumulate into this rank's parameters' ``.grad``
+        (averaged over data-parallel replicas). Returns the mini-batch loss, the same on
+        every rank.
+        """
+        runtime = self._runtime
+        microbatches: list[Value] | None = None
+        sizes: list[int] | None = None
+        if self.is_first:
+            try:
+                if input is None:
+                    raise ValueError("fastpipe: stage 0's rank needs the input")
+                check_value(input, "input")
+                microbatches = scatter(_to(input, self.device), self.chunks)
+                sizes = [batch_size(x) for x in microbatches]
+            except BaseException as exc:
+                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage 0) raised {type(exc).__name__}: {exc}")
+                raise
+        sizes, step_seed = runtime.broadcast_sizes(sizes, self.chunks, draw_step_seed() if self.is_first else 0)
+        count = len(sizes)
+        targets: list[Any] = [None] * count
+        reduction = getattr(loss_fn, "reduction", "mean")
+        if self.is_last:
+            try:
+                if target is not None:
+                    check_value(target, "target")
+                    targets = scatter(_to(target, self.device), self.chunks)
+                    if [batch_size(t, "target") for t in targets] != sizes:
+                        raise ValueError(f"fastpipe: target micro-batch sizes differ from the input's {sizes}")
+                if reduction not in ("mean", "sum"):
+                    raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; train_step needs 'mean' or 'sum'")
+            except BaseException as exc:
+                stage = len(self.balance) - 1
+                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised "
+                                      f"{type(exc).__name__}: {exc}")
+                raise
+        weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * count
+        sched = _schedule(self.schedule, runtime.size, len(self.balance), count)
+        mode = self.checkpoint if self.training else "never"
+
+        def checkpoint(m: int) -> bool:
+            return mode == "always" or (mode == "except_last" and m < count - 1)
+
+        outcome = runtime.train(sched, microbatches, LossSpec(loss_fn, targets, weights), checkpoint=checkpoint,
+                                caller=CallerState.capture(), step_seed=step_seed)
+        if self.deferred_batch_norm and self.training:
+            for st in self._stages.values():
+                commit_deferred_batch_norm(st.module)
+        if outcome.nonfinite is not None:
+            if self.on_nan == "raise":
+                raise PipelineError(f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
+                                    f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "
+                                    "steps)")
+            return outcome.loss
+        for s, st in self._stages.items():
+            for p, g in zip(st.params, outcome.param_grads[s]):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        return outcome.loss
+
+    def close(self) -> None:
+        """Drop the runtime's pending state (the process groups stay the caller's)."""
+        self._runtime.close()
+
+
+def _module_tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
+    return value

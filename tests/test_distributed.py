@@ -1,0 +1,205 @@
+"""Multi-process pipelines (gloo, spawned ranks): the same numbers as one process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist_utils import check_ok, run_ranks
+from torch import nn
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+HIDDEN = 16
+
+
+def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout))
+                           for _ in range(8)])
+
+
+def make_batch(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, HIDDEN, generator=g), torch.randn(*shape, HIDDEN, generator=g)
+
+
+def _schedules(rank: int, world: int) -> list[str]:
+    from fastpipe import Pipe
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    problems = []
+    for name, v in SCHEDULES:
+        balance = [8 // (world * v)] * (world * v)
+        pipe = DistributedPipe(make_model(), balance, chunks=4, schedule=name, timeout=20)
+        local = Pipe(make_model(), balance, chunks=4)
+        plain = make_model()
+        for step in range(2):  # the second step reuses the receive buffers
+            x, y = make_batch(step, 8)
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+            expected = local.train_step(x, y, nn.MSELoss(), schedule=name, virtual_stages=v)
+            plain_loss = nn.MSELoss()(plain(x), y)
+            plain_loss.backward()
+            if not torch.equal(loss, expected):
+                problems.append(f"{name} step {step}: loss {loss.item()} != local {expected.item()}")
+            if not torch.allclose(loss, plain_loss, rtol=1e-5, atol=1e-6):
+                problems.append(f"{name} step {step}: loss {loss.item()} != plain {plain_loss.item()}")
+        ref_local = dict(local.named_parameters())
+        ref_plain = dict(plain.named_parameters())
+        names = [n for n, _ in pipe.named_parameters()]
+        if len(names) != 2 * sum(balance[s] for s in range(rank, len(balance), world)):
+            problems.append(f"{name}: rank {rank} holds parameters {names}")
+        for n, p in pipe.named_parameters():
+            if p.grad is None or not torch.equal(p.grad, ref_local[n].grad):
+                problems.append(f"{name}: grad of {n} differs from the local Pipe")
+            elif not torch.allclose(p.grad, ref_plain[n].grad, rtol=1e-4, atol=1e-6):
+                problems.append(f"{name}: grad of {n} differs from the plain Sequential")
+        pipe.close()
+    for name, v in [("1f1b", 1), ("interleaved", 2)]:  # dropout: the same masks as one process
+        balance = [8 // (world * v)] * (world * v)
+        pipe = DistributedPipe(make_model(dropout=0.3), balance, chunks=4, schedule=name, timeout=20)
+        local = Pipe(make_model(dropout=0.3), balance, chunks=4)
+        x, y = make_batch(0, 8)
+        torch.manual_seed(42)
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+        torch.manual_seed(42)
+        expected = local.train_step(x, y, nn.MSELoss(), schedule=name, virtual_stages=v)
+        if not torch.equal(loss, expected):
+            problems.append(f"{name} with dropout: loss {loss.item()} != local {expected.item()}")
+        ref_local = dict(local.named_parameters())
+        for n, p in pipe.named_parameters():
+            if not torch.equal(p.grad, ref_local[n].grad):
+                problems.append(f"{name} with dropout: grad of {n} differs from the local Pipe")
+        pipe.close()
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_losses_and_grads_equal_one_process_for_every_schedule(world: int) -> None:
+    for rank, problems in enumerate(check_ok(run_ranks(_schedules, world, timeout=90))):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+class ToTuple(nn.Module):
+    """Makes the value crossing the stage boundary a tuple with non-tensor items."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return (x, x.size(1), "tag", (x > 0).sum(-1))
+
+
+class FromTuple(nn.Module):
+    def forward(self, value: tuple) -> torch.Tensor:
+        x, length, tag, count = value
+        assert tag == "tag" and length == x.size(1)
+        return x * 2 + count.unsqueeze(-1).to(x.dtype) * 0.01
+
+
+def _dynamic(rank: int, world: int) -> list[tuple[int, float, float]]:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), ToTuple(), FromTuple(), nn.Linear(HIDDEN, HIDDEN))
+
+    pipe = DistributedPipe(build(), [2, 2], chunks=2, schedule="1f1b", timeout=20)
+    plain = build()
+    out = []
+    for step, length in enumerate([3, 5, 5, 2, 3]):  # new, changed, repeated, changed, changed
+        x, y = make_batch(step, 4, length)
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+        expected = nn.MSELoss()(plain(x), y)
+        expected.backward()
+        out.append((length, loss.item(), expected.item()))
+    ref = dict(plain.named_parameters())
+    for n, p in pipe.named_parameters():
+        assert torch.allclose(p.grad, ref[n].grad, rtol=1e-4, atol=1e-6), n
+    return out
+
+
+def test_dynamic_shapes_and_tuple_values_across_steps() -> None:
+    for steps in check_ok(run_ranks(_dynamic, 2, timeout=60)):
+        for length, got, expected in steps:
+            assert got == pytest.approx(expected, rel=1e-5), f"sequence length {length}"
+
+
+def _pp_dp(rank: int, world: int) -> list[tuple[str, float, float, float]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    dp_rank = mesh.get_local_rank("dp")
+    x, y = make_batch(0, 16)
+    mine = slice(dp_rank * 8, dp_rank * 8 + 8)  # each replica trains on its half of the global batch
+    plain = make_model()
+    expected = nn.MSELoss()(plain(x), y)
+    expected.backward()
+    ref = dict(plain.named_parameters())
+    out = []
+    for name, balance in [("1f1b", [4, 4]), ("zb-h1", [4, 4]), ("interleaved", [2, 2, 2, 2])]:
+        pipe = DistributedPipe(make_model(), balance, chunks=2, schedule=name, mesh=mesh, timeout=20,
+                               bucket_bytes=2048)  # several buckets per stage
+        loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None,
+                               nn.MSELoss())
+        worst = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+        out.append((name, loss.item(), expected.item(), worst))
+        pipe.close()
+    return out
+
+
+def test_pipeline_times_data_parallel_2x2_equals_global_batch() -> None:
+    for results in check_ok(run_ranks(_pp_dp, 4, timeout=90)):
+        for name, loss, expected, worst in results:
+            assert loss == pytest.approx(expected, rel=1e-5), name
+            assert worst < 1e-6, name
+
+
+def _timed_steps(rank: int, world: int, steps: int) -> float:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(make_model(), [4, 4], chunks=4, schedule="1f1b", timeout=20)
+    x, y = make_batch(0, 8)
+    start = time.perf_counter()
+    for _ in range(steps):
+        pipe.train_step(x, y, nn.MSELoss())
+    return time.perf_counter() - start
+
+
+def test_steps_are_not_slowed_by_polling() -> None:
+    # A tiny model: a step is nearly all communication; 20 steps must not take seconds.
+    (elapsed, _) = check_ok(run_ranks(_timed_steps, 2, 20, timeout=60))
+    assert elapsed < 5.0, f"20 tiny steps took {elapsed:.2f} s"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _through_pipe(rank: int, world: int) -> tuple[str, float]:
+    import torch.distributed as dist
+
+    from fastpipe import DistributedPipe, Pipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    pipe = Pipe(model, balance=[2, 2], chunks=2, schedule="1f1b", process_group=dist.group.WORLD)
+    assert isinstance(pipe, DistributedPipe)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss())
+    return type(pipe).__name__, float(loss)
+
+
+def test_pipe_with_process_group_is_distributed() -> None:
+    outcomes = run_ranks(_through_pipe, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    expected = float(nn.functional.mse_loss(model(x), y).detach())
+    for outcome in outcomes:
+        assert "ok" in outcome, outcome
+        name, loss = outcome["ok"]
+        assert name == "DistributedPipe"
+        assert abs(loss - expected) < 1e-6

@@ -1,0 +1,128 @@
+"""Never hang: a dead, failing or stuck rank makes every other rank raise PipelineError in time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist_utils import check_ok, run_ranks
+from torch import nn
+
+HIDDEN = 8
+BOUND = 4.0  # the runtime's timeout in these tests, in seconds
+
+
+class Trap(nn.Module):
+    """Identity, until its ``calls``-th forward, where it dies, raises, stalls or poisons."""
+
+    def __init__(self, how: str, calls: int) -> None:
+        super().__init__()
+        self.how, self.calls, self.seen = how, calls, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        if self.seen == self.calls:
+            if self.how == "exit":
+                os._exit(1)
+            if self.how == "raise":
+                raise ValueError("bad value in the trap")
+            if self.how == "stall":
+                time.sleep(BOUND + 3.0)  # longer than the bound, then it carries on
+        return x
+
+
+def make_model(trap_stage: int, how: str, calls: int, stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for s in range(stages):
+        layers += [nn.Linear(HIDDEN, HIDDEN), Trap(how, calls) if s == trap_stage else nn.Identity()]
+    return nn.Sequential(*layers)
+
+
+def _faulty(rank: int, world: int, trap_stage: int, how: str) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(make_model(trap_stage, how, 7, world), [2] * world, chunks=4, schedule="1f1b",
+                           checkpoint="never", timeout=BOUND)
+    x, y = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+    pipe.train_step(x, y, nn.MSELoss())  # 4 forwards: fine
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, nn.MSELoss())  # the trap fires in micro-batch 2
+    except BaseException as exc:
+        elapsed = time.monotonic() - start
+        if how == "raise" and rank == trap_stage:
+            time.sleep(3.0)  # stay connected: the peers must learn of the error through the store
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": elapsed}
+    finally:
+        pipe.close()
+    return {"type": None, "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("world,dead", [(2, 1), (4, 2)])
+def test_rank_that_exits_mid_step_makes_the_others_raise_in_time(world: int, dead: int) -> None:
+    outcomes = run_ranks(_faulty, world, dead, "exit", timeout=60)
+    assert "died" in outcomes[dead]
+    for rank, outcome in enumerate(outcomes):
+        if rank == dead:
+            continue
+        assert "ok" in outcome, (rank, outcome)
+        assert outcome["exitcode"] == 0, (rank, outcome)  # destroyed its process group and exited in time
+        result = outcome["ok"]
+        assert result["type"] == "PipelineError", (rank, result)
+        assert f"rank {dead}" in result["message"], (rank, result["message"])
+        assert result["elapsed"] < BOUND + 2.0, (rank, result)
+
+
+def test_rank_that_raises_keeps_its_error_and_the_others_get_pipeline_error() -> None:
+    results = check_ok(run_ranks(_faulty, 2, 1, "raise", timeout=60))
+    assert results[1]["type"] == "ValueError"
+    assert "bad value in the trap" in results[1]["message"]
+    assert results[0]["type"] == "PipelineError"
+    assert "rank 1" in results[0]["message"] and "stage 1" in results[0]["message"]
+    assert "ValueError" in results[0]["message"]
+    assert results[0]["elapsed"] < 2.0  # told through the store while rank 1 is alive, not by the timeout
+
+
+def test_stuck_rank_is_reported_after_the_bound() -> None:
+    outcomes = run_ranks(_faulty, 2, 0, "stall", timeout=60)
+    result = outcomes[1]["ok"]
+    assert result["type"] == "PipelineError"
+    assert "rank 0" in result["message"] and "within" in result["message"]
+    assert BOUND - 0.5 < result["elapsed"] < BOUND + 2.0
+
+
+def _nan(rank: int, world: int) -> list:
+    from fastpipe import PipelineError
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    out: list = []
+    for mode in ("raise", "skip"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
+        pipe = DistributedPipe(model, [1, 1], chunks=4, schedule="1f1b", timeout=BOUND, on_nan=mode)
+        x, y = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+        bad = y.clone()
+        bad[5, 0] = float("nan")  # micro-batch 2 (samples 4..5)
+        try:
+            loss = pipe.train_step(x, bad, nn.MSELoss())
+            out.append((mode, "returned", loss.item(), [p.grad is None for p in pipe.parameters()]))
+        except PipelineError as exc:
+            out.append((mode, "raised", str(exc), [p.grad is None for p in pipe.parameters()]))
+        # the group is still usable afterwards
+        out.append((mode, "next", pipe.train_step(x, y, nn.MSELoss()).item(), None))
+    return out
+
+
+def test_nan_loss_is_reported_with_step_and_microbatch_then_raise_or_skip() -> None:
+    for results in check_ok(run_ranks(_nan, 2, timeout=60)):
+        (m1, what1, msg, no_grads1), (_, next1, loss1, _), (m2, what2, loss2, no_grads2), (_, _, loss3, _) = results
+        assert (m1, what1) == ("raise", "raised")
+        assert "step 1" in msg and "micro-batch 2" in msg, msg
+        assert all(no_grads1)
+        assert (m2, what2) == ("skip", "returned")
+        assert loss2 != loss2  # nan
+        assert all(no_grads2)  # the skipped step left no gradients
+        assert loss1 == loss1 and loss3 == loss3
