@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import LOSS, _pippy_worker, accumulation_step  # noqa: E402
 from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
 
+from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
+
 K = 2
 
 
@@ -97,6 +99,10 @@ def main() -> None:
     parser.add_argument("--skip-pipelining", action="store_true")
     args = parser.parse_args()
 
+    # T_mb runs under the same allocator settings as fastpipe's ranks (see
+    # fastpipe.runtime.host_alloc), so the limit is not inflated by page faults that
+    # fastpipe itself avoids. torch.distributed.pipelining's ranks keep glibc's defaults.
+    tune_host_allocator()
     load_before = os.getloadavg()
     runs = [(f"fastpipe {s} (2 gloo ranks)", _fastpipe_worker, s) for s in ("1f1b", "gpipe", "zb-h1")]
     if not args.skip_pipelining:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, tensors_of
+from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.local import LossSpec, Stage, StepRunner, StepState
 from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.worker import CallerState
@@ -518,6 +519,8 @@ class DistributedRuntime:
         self.rank = dist.get_rank(self.group)
         self.num_stages = num_stages
         self.stages = dict(stages)
+        if any(st.device.type == "cpu" for st in self.stages.values()):
+            tune_host_allocator()  # see fastpipe.runtime.host_alloc: page faults per step otherwise
         wrong = [s for s in self.stages if s % self.size != self.rank]
         if wrong:
             raise ValueError(f"fastpipe: rank {self.rank} of {self.size} cannot hold stages {wrong}")
