@@ -17,7 +17,6 @@ With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -34,7 +33,7 @@ from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
 from fastpipe.runtime.worker import CallerState
-from fastpipe.schedule import Schedule, build
+from fastpipe.schedule.builders import build_for
 
 __all__ = ["DistributedPipe"]
 
@@ -42,16 +41,6 @@ Checkpoint = Literal["always", "except_last", "never"]
 StageBuilder = Callable[[int], nn.Module]
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, workers: int, stages: int, microbatches: int) -> Schedule:
-    if stages == workers:
-        return build(name, stages=workers, microbatches=microbatches)
-    if name != "interleaved" or stages % workers:
-        raise ValueError(
-            f"fastpipe: {stages} stages on {workers} ranks needs schedule='interleaved' and a multiple of "
-            f"{workers} stages (got schedule={name!r})"
-        )
-    return build(name, stages=workers, microbatches=microbatches, virtual_stages=stages // workers)
 
 
 def _groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
@@ -128,7 +117,7 @@ class DistributedPipe(nn.Module):
                     if s not in mine:
                         part.to("meta")
             _stage_modules = {s: parts[s] for s in mine}
-        _schedule(schedule, size, len(balance), chunks)  # fail early on a bad combination
+        build_for(schedule, len(balance), size, chunks)  # fail early on a bad combination
         self.balance = balance
         self.chunks = chunks
         self.schedule = schedule
@@ -237,7 +226,7 @@ class DistributedPipe(nn.Module):
                                       f"{type(exc).__name__}: {exc}")
                 raise
         weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * count
-        sched = _schedule(self.schedule, runtime.size, len(self.balance), count)
+        sched = build_for(self.schedule, len(self.balance), runtime.size, count)
         mode = self.checkpoint if self.training else "never"
 
         def checkpoint(m: int) -> bool:

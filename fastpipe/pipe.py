@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from fastpipe.partition import (
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.local import LocalRuntime, LossSpec, Stage, StepState
 from fastpipe.runtime.worker import CallerState
-from fastpipe.schedule import Schedule, build
+from fastpipe.schedule import Schedule
+from fastpipe.schedule.builders import build_for
 from fastpipe.trace import Timeline
 
 __all__ = ["Pipe", "CHECKPOINT_MODES"]
@@ -41,19 +41,16 @@ _MOVE_REFUSED = (
 )
 
 
-@functools.lru_cache(maxsize=64)
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    # The messages speak of Pipe's own arguments; build_for checks the rest.
     if virtual_stages < 1 or stages % virtual_stages:
         raise ValueError(
             f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
             "len(balance) must be a multiple of virtual_stages"
         )
-    if name == "interleaved":
-        return build(name, stages=stages // virtual_stages, microbatches=microbatches,
-                     virtual_stages=virtual_stages)
-    if virtual_stages != 1:
+    if virtual_stages != 1 and name != "interleaved":
         raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
-    return build(name, stages=stages, microbatches=microbatches)
+    return build_for(name, stages, stages // virtual_stages, microbatches)
 
 
 class Pipe(nn.Module):

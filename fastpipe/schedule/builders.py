@@ -11,9 +11,11 @@ costs F=1, B=W=1)::
 
 from __future__ import annotations
 
+import functools
+
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 
-__all__ = ["SCHEDULES", "build"]
+__all__ = ["build_for", "SCHEDULES", "build"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -138,3 +140,29 @@ def _zb_h1(k: int, m: int) -> list[list[Action]]:
         actions += [Action("W", w, j) for j in range(next_w, m)]
         workers.append(actions)
     return workers
+
+
+@functools.lru_cache(maxsize=128)
+def build_for(name: str, num_stages: int, num_workers: int, microbatches: int) -> Schedule:
+    """The schedule ``name`` for a model cut into ``num_stages`` stages on ``num_workers`` workers.
+
+    More stages than workers means virtual stages (``interleaved`` only): stage ``s`` on
+    worker ``s % num_workers``. Cached, since runtimes ask for the same schedule every step.
+
+    Raises:
+        ScheduleError: the stages do not spread evenly, or only ``interleaved`` could run them.
+    """
+    if num_workers < 1 or num_stages % num_workers:
+        raise ScheduleError(
+            f"{num_stages} stages do not spread evenly over {num_workers} workers; the number of stages must be "
+            "a multiple of the number of workers"
+        )
+    virtual = num_stages // num_workers
+    if virtual == 1 and name != "interleaved":
+        return build(name, stages=num_workers, microbatches=microbatches)
+    if name != "interleaved":
+        raise ScheduleError(
+            f"{num_stages} stages on {num_workers} workers need schedule='interleaved' (virtual stages); "
+            f"got {name!r}"
+        )
+    return build(name, stages=num_workers, microbatches=microbatches, virtual_stages=virtual)
