@@ -109,6 +109,15 @@ class Pipe(nn.Module):
         if process_group is not None or mesh is not None:
             from fastpipe.distributed_pipe import DistributedPipe
 
+            local_only = sorted(set(kwargs) & {"devices", "trace", "sample", "memory_limit", "virtual_stages"})
+            if args[1:2] == ("auto",) or kwargs.get("balance") == "auto":
+                local_only.append("balance='auto'")
+            if local_only:
+                raise TypeError(
+                    f"fastpipe: with process_group=/mesh= each rank runs its own stage on its own device, so "
+                    f"{', '.join(local_only)} does not apply; give balance as a list, the device with device=, and "
+                    "virtual stages by len(balance) = K * v with schedule='interleaved'"
+                )
             return DistributedPipe(*args, process_group=process_group, mesh=mesh, **kwargs)
         return super().__new__(cls)
 

@@ -110,3 +110,11 @@ def test_backward_twice_is_refused():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         out.sum().backward()
+
+
+def test_local_only_arguments_refused_with_a_process_group():
+    sentinel = object()  # never reaches torch.distributed: the arguments are refused first
+    with pytest.raises(TypeError, match="devices does not apply"):
+        Pipe(model(), balance=[2, 2], devices=["cpu", "cpu"], process_group=sentinel)
+    with pytest.raises(TypeError, match="balance='auto' does not apply"):
+        Pipe(model(), balance="auto", process_group=sentinel)
