@@ -1,8 +1,14 @@
 """The ``fastpipe`` console command.
 
-Console-script entry point: ``fastpipe = fastpipe.cli:main``. Example::
+Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
     fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
+    fastpipe plan --model mypkg.models:build --sample-shape 256,512 --partitions 4 --microbatches 8
+
+With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
+``nn.Sequential``) each layer is profiled on one micro-batch of a random sample, and the
+plan also shows each stage's peak memory: its activations for the micro-batches its worker
+keeps alive at once, plus parameters, gradients and optimizer state.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from fastpipe.balance import BalanceError, plan, predict
 from fastpipe.schedule import SCHEDULES, ScheduleError, build
@@ -24,11 +31,62 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _load_model(spec: str) -> Any:
+    import importlib
+
+    from torch import nn
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model takes 'module:callable', got {spec!r}")
+    obj = getattr(importlib.import_module(module_name), attr)
+    model = obj if isinstance(obj, nn.Module) else obj()
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"--model {spec} gave {type(model).__name__}, not an nn.Sequential")
+    return model
+
+
+def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-layer forward s, backward s, activation bytes and parameter bytes of one micro-batch."""
+    import math
+
+    import torch
+
+    from fastpipe.balance import profile_layers
+
+    if args.sample_shape is None:
+        raise ValueError("--model needs --sample-shape (the mini-batch shape, e.g. 256,512)")
+    model = _load_model(args.model)
+    shape = list(args.sample_shape)
+    shape[0] = max(1, math.ceil(shape[0] / args.microbatches))
+    dtype = getattr(torch, args.sample_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--sample-dtype {args.sample_dtype!r} is not a torch dtype")
+    sample = torch.randint(0, args.vocab, shape) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
+    prof = profile_layers(model, sample)
+    return (list(prof.forward), list(prof.backward), [float(a) for a in prof.activation_bytes],
+            [float(b) for b in prof.parameter_bytes])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastpipe", description="fastpipe: pipeline-parallel training tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="balance per-layer costs over stages and predict the schedule")
-    p.add_argument("--costs", type=_floats, required=True, help="forward cost per layer, e.g. '1,2,3,4'")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--costs", type=_floats, help="forward cost per layer, e.g. '1,2,3,4'")
+    source.add_argument("--model", help="'module:callable' returning an nn.Sequential (profiled on --sample-shape)")
+    p.add_argument("--sample-shape", type=_ints, default=None, help="mini-batch shape for --model, e.g. '256,512'")
+    p.add_argument("--sample-dtype", default="float32", help="float32 | bfloat16 | int64 (token ids)")
+    p.add_argument("--vocab", type=int, default=1000, help="upper bound of random token ids (int64 samples)")
+    p.add_argument("--state-factor", type=float, default=4.0,
+                   help="bytes kept per parameter byte: parameter, gradient, optimizer state (4 for Adam)")
     p.add_argument("--bwd-costs", type=_floats, default=None, help="backward cost per layer (default 2x forward)")
     p.add_argument("--partitions", type=int, required=True, help="pipeline workers K")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step M")
@@ -41,20 +99,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    fwd = args.costs
-    bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
+    acts: list[float] | None = None
+    params: list[float] | None = None
+    if args.model is not None:
+        fwd, bwd, acts, params = _profile(args)
+    else:
+        fwd = args.costs
+        bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
+    schedule = build(args.schedule, args.partitions, args.microbatches, virtual_stages=args.virtual_stages)
+    memory = args.memory
+    if memory is None and acts is not None and params is not None:
+        in_flight = max(predict([1] * schedule.num_stages, [1.0] * schedule.num_stages, [1.0] * schedule.num_stages,
+                                microbatches=args.microbatches, schedule=args.schedule,
+                                virtual_stages=args.virtual_stages).peak_activations)
+        memory = [a * in_flight + args.state_factor * p for a, p in zip(acts, params)]
     balance = plan(fwd, bwd, args.partitions, microbatches=args.microbatches, schedule=args.schedule,
-                   memory=args.memory, memory_limit=args.memory_limit, comm=args.comm,
+                   memory=memory, memory_limit=args.memory_limit, comm=args.comm,
                    virtual_stages=args.virtual_stages)
     timeline = predict(balance, fwd, bwd, microbatches=args.microbatches, schedule=args.schedule,
                        comm=args.comm, virtual_stages=args.virtual_stages)
-    schedule = build(args.schedule, args.partitions, args.microbatches, virtual_stages=args.virtual_stages)
+    peaks = timeline.peak_activations
+    unit = "s" if args.model is not None else ""
     print(f"balance: {balance}")
     start = 0
     for stage, size in enumerate(balance):
         line = (f"  stage {stage} (worker {schedule.worker_of(stage)}): layers {start}..{start + size - 1}, "
-                f"fwd {sum(fwd[start:start + size]):.4g}, bwd {sum(bwd[start:start + size]):.4g}")
-        if args.memory is not None:
+                f"fwd {sum(fwd[start:start + size]):.4g}{unit}, bwd {sum(bwd[start:start + size]):.4g}{unit}")
+        if acts is not None and params is not None:
+            alive = peaks[schedule.worker_of(stage)]
+            peak = alive * sum(acts[start:start + size]) + args.state_factor * sum(params[start:start + size])
+            line += f", peak memory {peak / 2**20:.1f} MiB ({alive} micro-batches alive on its worker)"
+        elif args.memory is not None:
             line += f", memory {sum(args.memory[start:start + size]):.4g}"
         print(line)
         start += size
@@ -76,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
-    except (BalanceError, ScheduleError) as exc:
+    except (BalanceError, ScheduleError, ValueError, ImportError, AttributeError) as exc:
         print(f"fastpipe: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -150,3 +150,26 @@ def test_auto_balance_for_pipe() -> None:
     assert sum(balance) == 5 and len(balance) == 4
     with pytest.raises(BalanceError, match="no partition"):
         auto_balance(model, ["cpu", "cpu"], sample, chunks=4, memory_limit=10.0, repeats=1)
+
+
+def test_cli_plan_profiles_a_model_and_prints_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(["plan", "--model", "_cli_model:build", "--sample-shape", "32,16", "--partitions", "2",
+                       "--microbatches", "4", "--schedule", "1f1b"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "balance: [" in out and "peak memory" in out and "MiB" in out and "predicted bubble" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "_cli_model:build"], "needs --sample-shape"),
+        (["--model", "_cli_model:not_sequential", "--sample-shape", "8,2"], "not an nn.Sequential"),
+        (["--model", "_cli_model:missing", "--sample-shape", "8,2"], "has no attribute"),
+        (["--model", "no_colon", "--sample-shape", "8,2"], "module:callable"),
+    ],
+)
+def test_cli_plan_model_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(["plan", *argv, "--partitions", "2", "--microbatches", "2"])
+    assert status == 2
+    assert message in capsys.readouterr().err
