@@ -17,11 +17,13 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from fastpipe.runtime.p2p import bounded_barrier
 
 __all__ = ["save", "load", "FORMAT"]
 
@@ -120,6 +122,7 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     root = dist.get_global_rank(group, 0)
     is_root = dist.get_rank(group) == 0
     shares: list[Any] | None = [None] * dist.get_world_size(group) if is_root else None
+    bounded_barrier(group, cast(float, pipe.timeout), f"fastpipe.save({path!r})")
     dist.gather_object(share, shares, dst=root, group=group)
     status: list[Any] = [None]
     if is_root and (dp_group is None or dist.get_rank(dp_group) == 0):

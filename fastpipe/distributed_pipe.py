@@ -174,6 +174,11 @@ class DistributedPipe(nn.Module):
         return {s: st.module for s, st in self._stages.items()}
 
     @property
+    def timeout(self) -> float:
+        """The bound in seconds on every wait of this pipeline's ranks."""
+        return self._runtime.timeout
+
+    @property
     def is_first(self) -> bool:
         """This rank reads the input."""
         return 0 in self._stages
@@ -184,7 +189,10 @@ class DistributedPipe(nn.Module):
         return len(self.balance) - 1 in self._stages
 
     def forward(self, input: Value) -> Value:
-        raise NotImplementedError("fastpipe: a DistributedPipe trains with train_step(x, y, loss_fn)")
+        raise PipelineError(
+            "fastpipe: a DistributedPipe has no forward(): each rank holds only its stages, so the output "
+            "exists on the last rank alone; train with train_step(x, y, loss_fn) on every rank"
+        )
 
     def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.

@@ -126,3 +126,47 @@ def test_nan_loss_is_reported_with_step_and_microbatch_then_raise_or_skip() -> N
         assert loss2 != loss2  # nan
         assert all(no_grads2)  # the skipped step left no gradients
         assert loss1 == loss1 and loss3 == loss3
+
+
+def _dies_before_save(rank: int, world: int, path: str) -> dict:
+    import fastpipe
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=2, schedule="1f1b",
+                           checkpoint="never", timeout=BOUND)
+    pipe.train_step(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN), nn.MSELoss())
+    if rank == world - 1:
+        os._exit(1)  # never reaches save: the others must not wait for it forever
+    start = time.monotonic()
+    try:
+        fastpipe.save(pipe, path)
+    except BaseException as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"type": None}
+
+
+def test_rank_dead_before_save_makes_the_others_raise(tmp_path) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    outcomes = run_ranks(_dies_before_save, 2, path, timeout=60)
+    assert "died" in outcomes[1] or "error" in outcomes[1], outcomes[1]
+    assert "ok" in outcomes[0], outcomes[0]
+    got = outcomes[0]["ok"]
+    assert got["type"] == "PipelineError", got
+    assert "save" in got["message"] and got["elapsed"] < BOUND + 10
+    assert not os.path.exists(path)
+
+
+def _calls_forward(rank: int, world: int) -> str:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=2, timeout=BOUND)
+    try:
+        pipe(torch.randn(4, HIDDEN))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_forward_is_refused_with_a_hint() -> None:
+    for message in check_ok(run_ranks(_calls_forward, 2)):
+        assert message.startswith("PipelineError") and "train_step" in message

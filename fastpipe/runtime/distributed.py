@@ -24,7 +24,7 @@ from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.local import LossSpec, Recorder, Stage, StepRunner, StepState
-from fastpipe.runtime.p2p import DEFAULT_TIMEOUT, P2PTransport, Watchdog
+from fastpipe.runtime.p2p import DEFAULT_TIMEOUT, P2PTransport, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 
@@ -67,9 +67,9 @@ class DistributedRuntime:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
         if dist.get_backend(self.group) == "nccl":
-            raise NotImplementedError(
-                "fastpipe: the distributed runtime matches messages by tag, which NCCL ignores; run the "
-                "pipeline group on gloo (CPU tensors) for now"
+            raise ValueError(
+                "fastpipe: NCCL pipeline groups are not supported yet (the runtime matches messages by tag, "
+                "which NCCL ignores); create the pipeline group with backend='gloo' on CPU tensors"
             )
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -86,6 +86,7 @@ class DistributedRuntime:
             except Exception:  # noqa: BLE001 - no side channel: dead peers still time out
                 store = None
         self.global_rank = dist.get_rank()
+        self.timeout = timeout
         self.watchdog = Watchdog(store, self._abort_key(), timeout, self.global_rank)
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
         self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
@@ -96,6 +97,7 @@ class DistributedRuntime:
     def _abort_key(self) -> str:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
         name = [f"fastpipe/abort/{uuid.uuid4().hex}"]
+        bounded_barrier(self.group, self.timeout, "setting up the pipeline")
         dist.broadcast_object_list(name, src=self._global(0), group=self.group)
         if self.dp_group is not None:
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)

@@ -40,13 +40,30 @@ from fastpipe.microbatch import Value, tensors_of
 from fastpipe.runtime.transport import Transport
 from fastpipe.schedule import Action
 
-__all__ = ["Watchdog", "P2PTransport", "DEFAULT_TIMEOUT"]
+__all__ = ["Watchdog", "P2PTransport", "DEFAULT_TIMEOUT", "bounded_barrier"]
 
 DEFAULT_TIMEOUT = 30.0
 _HEADER = 512  # bytes of the fixed-size header (pickled shapes, dtypes, flags, non-tensor items)
 _PARTS = 64  # tag slots per (kind, stage, micro-batch): header, then two sets of 31 tensor items
 _SPECULATIVE, _FRESH = 2, 33  # tag offsets of payloads into pre-posted / header-sized receives
 _ACT, _GRAD = 0, 1
+
+
+def bounded_barrier(group: Any, timeout: float, what: str) -> None:
+    """Wait for every rank of ``group``, at most ``timeout`` seconds; raise PipelineError naming the missing.
+
+    Collectives (``gather_object``, ``broadcast_object_list``) wait forever for a dead rank.
+    Calling this first turns a rank that died before the collective into an error. gloo's
+    ``monitored_barrier`` names the ranks that did not arrive; other backends do not have it.
+    """
+    if dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as exc:
+        raise PipelineError(
+            f"fastpipe: {what}: not every rank arrived within {timeout:g} s (a rank died or hangs): {exc}"
+        ) from exc
 
 
 class Watchdog:

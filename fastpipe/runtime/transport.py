@@ -8,6 +8,7 @@ transport over threads (:class:`LocalTransport`) and one over processes can shar
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,28 +21,28 @@ from fastpipe.runtime.mailbox import Mailbox
 __all__ = ["Transport", "LocalTransport", "receive"]
 
 
-class Transport:
+class Transport(abc.ABC):
     """Interface: delivery of activations (forward) and gradients (backward)."""
 
+    @abc.abstractmethod
     def send_activation(self, stage: int, microbatch: int, value: Value, requires_grad: Sequence[bool]) -> None:
         """Deliver ``value`` as the input of ``stage``; ``requires_grad`` per tensor item."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def recv_activation(self, stage: int, microbatch: int) -> Value:
         """The input of ``stage`` as detached leaves (blocking until it arrived)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def send_grad(self, stage: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
         """Deliver the gradients of ``stage``'s output tensors."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:
         """The gradients of ``stage``'s output tensors (blocking until they arrived)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def abort(self, exc: BaseException) -> None:
         """Wake every waiter with an error: the step failed elsewhere."""
-        raise NotImplementedError
 
 
 class LocalTransport(Transport):
