@@ -34,6 +34,7 @@ from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
+from fastpipe.trace import Timeline
 
 __all__ = ["DistributedPipe"]
 
@@ -125,6 +126,7 @@ class DistributedPipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         self.on_nan = on_nan
         self.group, self.dp_group = group, dp
+        self.last_timeline: Timeline | None = None
         stages: dict[int, Stage] = {}
         for s in mine:
             part = _stage_modules[s].to(self.device)
@@ -194,15 +196,20 @@ class DistributedPipe(nn.Module):
             "exists on the last rank alone; train with train_step(x, y, loss_fn) on every rank"
         )
 
-    def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+    def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+                   trace: bool = False) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.
 
         ``input`` is read on stage 0's rank and ``target`` on the last stage's (both may be
         None elsewhere). Gradients accumulate into this rank's parameters' ``.grad``
         (averaged over data-parallel replicas). Returns the mini-batch loss, the same on
-        every rank.
+        every rank. With ``trace=True``, ``last_timeline`` holds this rank's actions of the
+        step (its worker row; gather the ranks' timelines to see the whole pipeline).
         """
         runtime = self._runtime
+        timeline = Timeline(runtime.size) if trace else None
+        runtime.recorder = timeline.record if timeline is not None else None
+        self.last_timeline = timeline
         microbatches: list[Value] | None = None
         sizes: list[int] | None = None
         if self.is_first:

@@ -187,7 +187,10 @@ def _through_pipe(rank: int, world: int) -> tuple[str, float]:
     assert isinstance(pipe, DistributedPipe)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
-    loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss())
+    loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), trace=True)
+    events = pipe.last_timeline.events
+    assert sorted(e.action for e in events) == sorted(f"{rank}{k}{m}" for k in ("F", "BW") for m in range(2))
+    assert all(e.worker == rank for e in events)
     return type(pipe).__name__, float(loss)
 
 
