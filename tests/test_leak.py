@@ -4,6 +4,7 @@ import gc
 import threading
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,6 +34,29 @@ def test_no_growth_over_200_steps():
         step()
     tensors, threads = live_tensors(), threading.active_count()
     for _ in range(200):
+        step()
+    assert live_tensors() <= tensors
+    assert threading.active_count() == threads
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_train_step_frees_every_graph(schedule):
+    # zb-h1 keeps each micro-batch's graph from B until its W: nothing may outlive the step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+    pipe = Pipe(model, balance=[3, 2], chunks=4, checkpoint="except_last")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+
+    def step():
+        opt.zero_grad()
+        pipe.train_step(x, y, nn.MSELoss(), schedule=schedule)
+        opt.step()
+
+    for _ in range(5):
+        step()
+    tensors, threads = live_tensors(), threading.active_count()
+    for _ in range(100):
         step()
     assert live_tensors() <= tensors
     assert threading.active_count() == threads
