@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastpipe.kernels as fk
+from fastpipe.kernels.memory import count_saved_bytes
 
 __all__ = ["main"]
 
@@ -84,18 +85,7 @@ def make_cases(rows: int, hidden: int, vocab: int, device: str, dtype: torch.dty
 
 # --------------------------------------------------------------------------- saved bytes
 def saved_bytes(fn: Callable[[], torch.Tensor], params) -> int:
-    ptrs = {p.data_ptr() for p in params}
-    total = 0
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if x.data_ptr() not in ptrs:
-            total += x.numel() * x.element_size()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return total
+    return count_saved_bytes(fn, params)[0]
 
 
 def saved_bytes_table(device: str) -> list[dict]:

@@ -3,31 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+
+from fastpipe.kernels.memory import count_saved_bytes
 
 __all__ = ["INTERPRET", "count_saved_bytes", "EagerMLPBlock"]
 
 #: True in the ``TRITON_INTERPRET=1`` run: tests then pick sizes that launch few programs.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def count_saved_bytes(fn: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """Bytes of tensors saved for backward while running ``fn()``, parameters excluded."""
-    param_ptrs = {p.data_ptr() for p in params}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.data_ptr() not in param_ptrs:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total, out
 
 
 class EagerMLPBlock(nn.Module):
