@@ -16,6 +16,7 @@ CHECKS=(
   "build|180|pip install --no-build-isolation --no-deps -e . -q"
   "gpu-tests|240|python -m pytest -m gpu -q -p no:cacheprovider"
   "copy_overlap|60|python bench/copy_overlap.py --runs 5"
+  "kernels|150|python bench/kernels.py --json $OUT_DIR/kernels.json"
   # "my_bench|60|python bench/my_bench.py"   <- append new checks here
 )
 
