@@ -123,13 +123,9 @@ def _zb_h1(k: int, m: int) -> list[list[Action]]:
                    w3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ... B7 W4 W5 W6 W7
     """
     workers = []
-    for w in range(k):
-        warmup = min(k - 1 - w, m)
+    for w, one_f_one_b in enumerate(_one_f_one_b(k, m)):
         # 1F1B's order of F and B, then a W after each B, lagging w micro-batches behind.
-        forwards_and_backwards = [Action("F", w, i) for i in range(warmup)]
-        for i in range(m - warmup):
-            forwards_and_backwards += [Action("F", w, warmup + i), Action("B", w, i)]
-        forwards_and_backwards += [Action("B", w, j) for j in range(m - warmup, m)]
+        forwards_and_backwards = [a if a.kind == "F" else Action("B", a.stage, a.microbatch) for a in one_f_one_b]
         actions: list[Action] = []
         next_w = 0
         for action in forwards_and_backwards:
