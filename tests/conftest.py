@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=["tags", "ordered"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both P2P transports: tag-matched (gloo's default) and order-matched (what NCCL runs), on gloo."""
+    if request.param == "ordered":
+        monkeypatch.setenv("FASTPIPE_P2P", "ordered")  # inherited by the spawned ranks
+    else:
+        monkeypatch.delenv("FASTPIPE_P2P", raising=False)
+    return str(request.param)

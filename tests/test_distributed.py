@@ -14,6 +14,12 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
 HIDDEN = 16
 
 
+def transport_of(pipe: object) -> str:
+    from fastpipe.runtime.p2p_ordered import OrderedTransport
+
+    return "ordered" if isinstance(pipe._runtime.transport, OrderedTransport) else "tags"  # type: ignore[attr-defined]
+
+
 def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout))
@@ -25,7 +31,7 @@ def make_batch(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(*shape, HIDDEN, generator=g), torch.randn(*shape, HIDDEN, generator=g)
 
 
-def _schedules(rank: int, world: int) -> list[str]:
+def _schedules(rank: int, world: int, transport: str) -> list[str]:
     from fastpipe import Pipe
     from fastpipe.distributed_pipe import DistributedPipe
 
@@ -33,6 +39,8 @@ def _schedules(rank: int, world: int) -> list[str]:
     for name, v in SCHEDULES:
         balance = [8 // (world * v)] * (world * v)
         pipe = DistributedPipe(make_model(), balance, chunks=4, schedule=name, timeout=20)
+        if transport_of(pipe) != transport:
+            problems.append(f"ran over the {transport_of(pipe)} transport, not {transport}")
         local = Pipe(make_model(), balance, chunks=4)
         plain = make_model()
         for step in range(2):  # the second step reuses the receive buffers
@@ -76,8 +84,8 @@ def _schedules(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_losses_and_grads_equal_one_process_for_every_schedule(world: int) -> None:
-    for rank, problems in enumerate(check_ok(run_ranks(_schedules, world, timeout=90))):
+def test_losses_and_grads_equal_one_process_for_every_schedule(world: int, transport: str) -> None:
+    for rank, problems in enumerate(check_ok(run_ranks(_schedules, world, transport, timeout=90))):
         assert problems == [], f"rank {rank}: {problems}"
 
 
@@ -95,7 +103,7 @@ class FromTuple(nn.Module):
         return x * 2 + count.unsqueeze(-1).to(x.dtype) * 0.01
 
 
-def _dynamic(rank: int, world: int) -> list[tuple[int, float, float]]:
+def _dynamic(rank: int, world: int, transport: str) -> list[tuple[int, float, float]]:
     from fastpipe.distributed_pipe import DistributedPipe
 
     def build() -> nn.Sequential:
@@ -103,6 +111,7 @@ def _dynamic(rank: int, world: int) -> list[tuple[int, float, float]]:
         return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), ToTuple(), FromTuple(), nn.Linear(HIDDEN, HIDDEN))
 
     pipe = DistributedPipe(build(), [2, 2], chunks=2, schedule="1f1b", timeout=20)
+    assert transport_of(pipe) == transport
     plain = build()
     out = []
     for step, length in enumerate([3, 5, 5, 2, 3]):  # new, changed, repeated, changed, changed
@@ -117,13 +126,13 @@ def _dynamic(rank: int, world: int) -> list[tuple[int, float, float]]:
     return out
 
 
-def test_dynamic_shapes_and_tuple_values_across_steps() -> None:
-    for steps in check_ok(run_ranks(_dynamic, 2, timeout=60)):
+def test_dynamic_shapes_and_tuple_values_across_steps(transport: str) -> None:
+    for steps in check_ok(run_ranks(_dynamic, 2, transport, timeout=60)):
         for length, got, expected in steps:
             assert got == pytest.approx(expected, rel=1e-5), f"sequence length {length}"
 
 
-def _pp_dp(rank: int, world: int) -> list[tuple[str, float, float, float]]:
+def _pp_dp(rank: int, world: int, transport: str) -> list[tuple[str, float, float, float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fastpipe.distributed_pipe import DistributedPipe
@@ -140,6 +149,7 @@ def _pp_dp(rank: int, world: int) -> list[tuple[str, float, float, float]]:
     for name, balance in [("1f1b", [4, 4]), ("zb-h1", [4, 4]), ("interleaved", [2, 2, 2, 2])]:
         pipe = DistributedPipe(make_model(), balance, chunks=2, schedule=name, mesh=mesh, timeout=20,
                                bucket_bytes=2048)  # several buckets per stage
+        assert transport_of(pipe) == transport
         loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None,
                                nn.MSELoss())
         worst = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
@@ -148,8 +158,8 @@ def _pp_dp(rank: int, world: int) -> list[tuple[str, float, float, float]]:
     return out
 
 
-def test_pipeline_times_data_parallel_2x2_equals_global_batch() -> None:
-    for results in check_ok(run_ranks(_pp_dp, 4, timeout=90)):
+def test_pipeline_times_data_parallel_2x2_equals_global_batch(transport: str) -> None:
+    for results in check_ok(run_ranks(_pp_dp, 4, transport, timeout=90)):
         for name, loss, expected, worst in results:
             assert loss == pytest.approx(expected, rel=1e-5), name
             assert worst < 1e-6, name

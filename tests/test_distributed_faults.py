@@ -62,7 +62,7 @@ def _faulty(rank: int, world: int, trap_stage: int, how: str) -> dict:
 
 
 @pytest.mark.parametrize("world,dead", [(2, 1), (4, 2)])
-def test_rank_that_exits_mid_step_makes_the_others_raise_in_time(world: int, dead: int) -> None:
+def test_rank_that_exits_mid_step_makes_the_others_raise_in_time(world: int, dead: int, transport: str) -> None:
     outcomes = run_ranks(_faulty, world, dead, "exit", timeout=60)
     assert "died" in outcomes[dead]
     for rank, outcome in enumerate(outcomes):
@@ -76,7 +76,7 @@ def test_rank_that_exits_mid_step_makes_the_others_raise_in_time(world: int, dea
         assert result["elapsed"] < BOUND + 2.0, (rank, result)
 
 
-def test_rank_that_raises_keeps_its_error_and_the_others_get_pipeline_error() -> None:
+def test_rank_that_raises_keeps_its_error_and_the_others_get_pipeline_error(transport: str) -> None:
     results = check_ok(run_ranks(_faulty, 2, 1, "raise", timeout=60))
     assert results[1]["type"] == "ValueError"
     assert "bad value in the trap" in results[1]["message"]
@@ -86,7 +86,7 @@ def test_rank_that_raises_keeps_its_error_and_the_others_get_pipeline_error() ->
     assert results[0]["elapsed"] < 2.0  # told through the store while rank 1 is alive, not by the timeout
 
 
-def test_stuck_rank_is_reported_after_the_bound() -> None:
+def test_stuck_rank_is_reported_after_the_bound(transport: str) -> None:
     outcomes = run_ranks(_faulty, 2, 0, "stall", timeout=60)
     result = outcomes[1]["ok"]
     assert result["type"] == "PipelineError"

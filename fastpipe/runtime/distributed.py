@@ -10,6 +10,7 @@ runtime; only the :class:`~fastpipe.runtime.transport.Transport` differs
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +26,10 @@ from fastpipe.microbatch import Value
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.local import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.p2p import DEFAULT_TIMEOUT, P2PTransport, Watchdog, bounded_barrier
+from fastpipe.runtime.p2p_ordered import OrderedTransport
 from fastpipe.runtime.worker import CallerState
-from fastpipe.schedule import Schedule
+from fastpipe.schedule import Action, Schedule, ScheduleError
+from fastpipe.schedule.ordered import Step, check_ordered, plan
 
 __all__ = ["DistributedRuntime", "StepOutcome", "DEFAULT_TIMEOUT"]
 
@@ -66,11 +69,8 @@ class DistributedRuntime:
                  bucket_bytes: int = 25 << 20, recorder: Recorder | None = None) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
-        if dist.get_backend(self.group) == "nccl":
-            raise ValueError(
-                "fastpipe: NCCL pipeline groups are not supported yet (the runtime matches messages by tag, "
-                "which NCCL ignores); create the pipeline group with backend='gloo' on CPU tensors"
-            )
+        backend = dist.get_backend(self.group)
+        self.ordered = _ordered(backend)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_stages = num_stages
@@ -80,6 +80,9 @@ class DistributedRuntime:
         wrong = [s for s in self.stages if s % self.size != self.rank]
         if wrong:
             raise ValueError(f"fastpipe: rank {self.rank} of {self.size} cannot hold stages {wrong}")
+        device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
+        if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
+            _check_nccl_device(device)
         if store is None:
             try:
                 store = dist.distributed_c10d._get_default_store()
@@ -88,11 +91,30 @@ class DistributedRuntime:
         self.global_rank = dist.get_rank()
         self.timeout = timeout
         self.watchdog = Watchdog(store, self._abort_key(), timeout, self.global_rank)
-        device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
-        self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
+        # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
+        self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        self.transport: P2PTransport
+        if self.ordered:
+            ranks = [self._global(r) for r in range(self.size)]
+            headers = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self.transport = OrderedTransport(self.group, headers, num_stages, self.watchdog, device)
+        else:
+            self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
+        self._plans: dict[Schedule, list[Step]] = {}
         self.bucket_bytes = bucket_bytes
         self.recorder = recorder
         self.steps = 0
+
+    def _plan(self, schedule: Schedule) -> list[Step]:
+        """This rank's posts and actions for an ordered transport; refuses schedules that could deadlock."""
+        steps = self._plans.get(schedule)
+        if steps is None:
+            try:
+                check_ordered(schedule)
+            except ScheduleError as exc:
+                raise ValueError(f"fastpipe: {exc}") from None
+            steps = self._plans[schedule] = plan(schedule, self.rank)
+        return steps
 
     def _abort_key(self) -> str:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
@@ -134,8 +156,10 @@ class DistributedRuntime:
             buf[0] = len(sizes)
             buf[1] = step_seed
             buf[2:2 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
+        buf = buf.to(self.comm_device)
         work = dist.broadcast(buf, src=self._global(self.first_rank), group=self.group, async_op=True)
         self._collective(work, "the micro-batch sizes")
+        buf = buf.cpu()
         count = int(buf[0])
         return [int(v) for v in buf[2:2 + count]], int(buf[1])
 
@@ -158,6 +182,7 @@ class DistributedRuntime:
         runner = StepRunner(self.stages, self.num_stages, self.transport, state, grad=True,
                          checkpoint=checkpoint, loss=loss)
         actions = schedule.workers[self.rank]
+        steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}
         reductions: list[tuple[int, Any, Tensor, list[int]]] = []
         try:
@@ -166,14 +191,20 @@ class DistributedRuntime:
                 assert microbatches is not None, "stage 0's rank needs the input"
                 runner.feed(microbatches)
             handlers = runner.handlers()
-            for i, action in enumerate(actions):
+            i = -1
+            for step in steps:
+                action = step.action
                 try:
+                    if action is None:
+                        assert isinstance(self.transport, OrderedTransport)
+                        self.transport.post(step.ops)
+                        continue
+                    i += 1
                     start = handlers[action.kind](action)
                 except PipelineError:
                     raise
                 except BaseException as exc:
-                    where = (f"stage {action.stage}, micro-batch {action.microbatch} "
-                             f"(step {self.steps}, action {action})")
+                    where = _where(action, actions[i + 1:], self.steps)
                     self.watchdog.fail(f"rank {self.global_rank} ({where}) raised "
                                        f"{type(exc).__name__}: {exc}")
                     raise annotate(exc, f"fastpipe: raised on rank {self.global_rank} in {where}") from None
@@ -241,13 +272,16 @@ class DistributedRuntime:
             dtype = total.dtype
         else:
             dtype = torch.get_default_dtype()
+        buf = buf.to(self.comm_device)
         work = dist.broadcast(buf, src=self._global(self.last_rank), group=self.group, async_op=True)
         self._collective(work, "the step's loss")
+        buf = buf.cpu()
         nonfinite = f"micro-batch {int(buf[1]) - 1}" if buf[1] > 0 else None
         if self.dp_group is not None:
-            flags = torch.stack([buf[0], (buf[1] > 0).double()])
+            flags = torch.stack([buf[0], (buf[1] > 0).double()]).to(self.comm_device)
             work = dist.all_reduce(flags, group=self.dp_group, async_op=True)
             self._collective(work, "the data-parallel loss all-reduce")
+            flags = flags.cpu()
             buf[0] = flags[0] / dist.get_world_size(self.dp_group)
             if nonfinite is None and flags[1] > 0:
                 nonfinite = "another data-parallel replica"
@@ -256,4 +290,36 @@ class DistributedRuntime:
     def close(self) -> None:
         """Drop pending state; the process groups stay the caller's to destroy."""
         self.transport.close()
+
+
+def _where(action: Action | None, ahead: Sequence[Action], step: int) -> str:
+    """Where in the step a failure happened, for the error message."""
+    if action is not None:
+        return f"stage {action.stage}, micro-batch {action.microbatch} (step {step}, action {action})"
+    return f"posting transfers before {ahead[0] if ahead else 'the end of the step'} (step {step})"
+
+
+def _ordered(backend: str) -> bool:
+    """Whether payloads must be matched by order: always on NCCL; on request (``FASTPIPE_P2P=ordered``) elsewhere.
+
+    The request exists to run the NCCL code path on gloo (tests, dry runs on CPU hosts).
+    """
+    mode = os.environ.get("FASTPIPE_P2P", "")
+    if mode not in ("", "tags", "ordered"):
+        raise ValueError(f"fastpipe: FASTPIPE_P2P={mode!r}; use 'ordered' or 'tags', or leave it unset")
+    if backend == "nccl" and mode == "tags":
+        raise ValueError("fastpipe: FASTPIPE_P2P=tags cannot work on NCCL, which ignores tags; unset it")
+    return backend == "nccl" or mode == "ordered"
+
+
+def _check_nccl_device(device: torch.device) -> None:
+    """NCCL moves CUDA tensors of the current device only; anything else hangs or fails late."""
+    if device.type != "cuda":
+        raise ValueError(f"fastpipe: an NCCL pipeline group moves CUDA tensors, but this rank's stages are on "
+                         f"{device}; place them on this rank's GPU, or use a gloo group for CPU stages")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch.cuda.current_device():
+        raise ValueError(f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
+                         "building the pipeline (NCCL's batched send/receive hangs otherwise)")
 

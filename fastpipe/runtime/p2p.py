@@ -148,6 +148,14 @@ class Watchdog:
 
     def wait_collective(self, work: Any, what: str) -> None:
         """Poll a collective (gloo collectives complete in the background)."""
+        self.poll(work, what, "a peer rank")
+
+    def poll(self, work: Any, what: str, peer: str) -> None:
+        """Poll ``work`` until it completed, at most ``timeout`` seconds, watching the abort key.
+
+        For work that completes in the background: collectives, and NCCL operations, whose
+        ``wait()`` would only make the current CUDA stream wait.
+        """
         if self.failure is not None:
             raise self.failure
         deadline = time.monotonic() + self.timeout
@@ -155,13 +163,13 @@ class Watchdog:
         while not work.is_completed():
             self.check()
             if time.monotonic() > deadline:
-                raise self._late(what, "a peer rank")
+                raise self._late(what, peer)
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
         try:
             work.wait()
         except BaseException as exc:  # noqa: BLE001
-            raise self._broken(exc, what, "a peer rank") from None
+            raise self._broken(exc, what, peer) from None
 
     def _late(self, what: str, peer: str) -> PipelineError:
         return self.fail(f"{peer} did not deliver {what} within {self.timeout:g} s (dead or hung); "
@@ -181,15 +189,16 @@ class _SendReaper:
     step would keep every sent activation alive until its end (defeating checkpointing).
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, poll: bool = False) -> None:
         self.timeout = timeout
+        self.poll = poll  # NCCL: wait() would not block the host; poll is_completed() instead
         self.error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
-        self._queue: queue.SimpleQueue[tuple[Any, Tensor] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def add(self, work: Any, buf: Tensor) -> None:
+    def add(self, work: Any, buf: Any) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._main, daemon=True, name="fastpipe-sends")
             self._thread.start()
@@ -200,6 +209,12 @@ class _SendReaper:
     def _main(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
+                if self.poll:
+                    deadline = time.monotonic() + self.timeout
+                    while not item[0].is_completed():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"timed out after {self.timeout:g} s")
+                        time.sleep(1e-4)
                 item[0].wait(datetime.timedelta(seconds=self.timeout))
             except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
                 self.error = self.error or exc
@@ -311,15 +326,11 @@ class P2PTransport(Transport):
 
     def poison(self, message: str) -> None:
         """Send an abort header in place of every value still owed to a peer this step."""
-        blob = pickle.dumps(["abort", message[:400]], protocol=pickle.HIGHEST_PROTOCOL)
+        head = _pack(["abort", message[:400]])
         owed, self._owed = sorted(self._owed), set()
         for key in owed:
-            head = bytearray(_HEADER)
-            head[:4] = len(blob).to_bytes(4, "little")
-            head[4:4 + len(blob)] = blob
             dst = self._global(self.owner(key[1]))
-            dist.isend(torch.frombuffer(head, dtype=torch.uint8).to(self.device), dst=dst, group=self.group,
-                       tag=self._tag(*key, 0))
+            dist.isend(head.to(self.device), dst=dst, group=self.group, tag=self._tag(*key, 0))
 
     def _expect(self, kind: int, stage: int, microbatch: int, src_stage: int) -> None:
         key = (kind, stage, microbatch)
@@ -371,17 +382,10 @@ class P2PTransport(Transport):
         if len(meta) - 2 > _FRESH - _SPECULATIVE:
             raise ValueError(f"fastpipe: a stage output has {len(meta) - 2} items; at most "
                              f"{_FRESH - _SPECULATIVE} can cross a rank boundary")
-        layout = tuple(_nbytes(item) if item[0] == "t" else 0 for item in meta[2:])
+        layout = _layout(meta)
         previous = self._sent_layout.get(key)
         meta[1] = previous == layout
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(blob) > _HEADER - 4:
-            raise ValueError(f"fastpipe: the non-tensor items of a stage output pickle to {len(blob)} bytes; "
-                             f"at most {_HEADER - 4} fit in a header (pass big objects as tensors)")
-        head = bytearray(_HEADER)
-        head[:4] = len(blob).to_bytes(4, "little")
-        head[4:4 + len(blob)] = blob
-        self._isend(torch.frombuffer(head, dtype=torch.uint8).to(self.device), dst, self._tag(*key, 0))
+        self._isend(_pack(meta).to(self.device), dst, self._tag(*key, 0))
         if previous is not None and previous != layout:  # fill the receives posted for the old layout
             for i, nbytes in enumerate(previous):
                 if nbytes:
@@ -419,38 +423,32 @@ class P2PTransport(Transport):
 
     # -- receiving ------------------------------------------------------------------
 
-    def _receive(self, kind: int, stage: int, microbatch: int) -> tuple[list[Any], dict[int, Tensor]]:
-        key = (kind, stage, microbatch)
+    def _read_header(self, key: tuple[int, int, int]) -> tuple[list[Any], _Inbound]:
+        """Wait for the header of ``key`` (bounded); a peer's abort header fails the step here."""
         inbound = self._inbound.pop(key, None)
         if inbound is None:
-            raise PipelineError(f"fastpipe: {_what(kind, stage, microbatch)} was never expected on this rank "
-                                "(a schedule bug)")
-        what = _what(kind, stage, microbatch)
-        self.watchdog.wait(inbound.header, f"the header of {what}", inbound.peer)
-        raw = self._headers[key].cpu().numpy().tobytes()
-        meta = pickle.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+            raise PipelineError(f"fastpipe: {_what(*key)} was never expected on this rank (a schedule bug)")
+        self.watchdog.wait(inbound.header, f"the header of {_what(*key)}", inbound.peer)
+        meta = _unpack(self._headers[key])
         if meta[0] == "abort":
             raise self.watchdog.fail(str(meta[1]))
+        return meta, inbound
+
+    def _receive(self, kind: int, stage: int, microbatch: int) -> tuple[list[Any], dict[int, Tensor]]:
+        key = (kind, stage, microbatch)
+        what = _what(*key)
+        meta, inbound = self._read_header(key)
         for _, _, work in inbound.speculative:  # payloads, or dummies when the layout changed
             self.watchdog.wait(work, what, inbound.peer)
         buffers = {i: buf for i, buf, _ in inbound.speculative}
         if not meta[1]:  # the layout changed (or is new): the payload follows on fresh tags
-            layout = tuple(_nbytes(item) if item[0] == "t" else 0 for item in meta[2:])
+            layout = _layout(meta)
             posted = [self._post(key, i, n, inbound.src, _FRESH) for i, n in enumerate(layout) if n]
             self._recv_layout[key] = layout
             for _, _, work in posted:
                 self.watchdog.wait(work, what, inbound.peer)
             buffers = {i: buf for i, buf, _ in posted}
-        tensors: dict[int, Tensor] = {}
-        for i, item in enumerate(meta[2:]):
-            if item[0] == "t":
-                buf = buffers.get(i)
-                dtype = _dtype(item[2])
-                if buf is None:  # an empty tensor travels in the header only
-                    tensors[i] = torch.empty(item[1], dtype=dtype, device=self.device)
-                else:
-                    tensors[i] = buf.view(dtype).view(item[1]).detach()
-        return meta, tensors
+        return meta, _tensors(meta, buffers, self.device)
 
     def recv_activation(self, stage: int, microbatch: int) -> Value:
         local: Any = self._local.pop((_ACT, stage, microbatch), None)
@@ -470,6 +468,43 @@ class P2PTransport(Transport):
 
     def abort(self, exc: BaseException) -> None:
         self.reset()
+
+
+def _pack(meta: list[Any]) -> Tensor:
+    """The fixed-size header tensor (uint8, CPU) for ``meta``."""
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(blob) > _HEADER - 4:
+        raise ValueError(f"fastpipe: the non-tensor items of a stage output pickle to {len(blob)} bytes; "
+                         f"at most {_HEADER - 4} fit in a header (pass big objects as tensors)")
+    head = bytearray(_HEADER)
+    head[:4] = len(blob).to_bytes(4, "little")
+    head[4:4 + len(blob)] = blob
+    return torch.frombuffer(head, dtype=torch.uint8)
+
+
+def _unpack(header: Tensor) -> list[Any]:
+    raw = header.cpu().numpy().tobytes()
+    meta: list[Any] = pickle.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+    return meta
+
+
+def _layout(meta: list[Any]) -> tuple[int, ...]:
+    """Payload bytes per item of a header (0 for non-tensor items)."""
+    return tuple(_nbytes(item) if item[0] == "t" else 0 for item in meta[2:])
+
+
+def _tensors(meta: list[Any], buffers: dict[int, Tensor], device: torch.device) -> dict[int, Tensor]:
+    """The tensor items of a received value, as views of their byte buffers."""
+    tensors: dict[int, Tensor] = {}
+    for i, item in enumerate(meta[2:]):
+        if item[0] == "t":
+            buf = buffers.get(i)
+            dtype = _dtype(item[2])
+            if buf is None:  # an empty tensor travels in the header only
+                tensors[i] = torch.empty(item[1], dtype=dtype, device=device)
+            else:
+                tensors[i] = buf.view(dtype).view(item[1]).detach()
+    return tensors
 
 
 def _what(kind: int, stage: int, microbatch: int) -> str:

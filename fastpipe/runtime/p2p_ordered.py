@@ -1,0 +1,181 @@
+"""Point-to-point transport for backends that match messages by order, not tag (NCCL).
+
+NCCL delivers the k-th payload a rank sends to a peer into the k-th receive that peer
+posted from it, and a send may not complete before its receive is posted. So, unlike
+:class:`~fastpipe.runtime.p2p.P2PTransport`, which posts every receive of a step at its
+start and lets tags sort them out, :class:`OrderedTransport`:
+
+- sends each value's header (shapes, dtypes, non-tensor items) at once over a gloo side
+  group, matched by tag, so shapes may still change from step to step and every receive
+  is sized before it is posted;
+- keeps the payloads until the runtime posts the next batch of the plan from
+  :func:`fastpipe.schedule.ordered.plan`: the sends of the action just done together with
+  the receives of the next one, in one ``batch_isend_irecv``. The plan is checked against
+  deadlock under NCCL's semantics before a schedule runs
+  (:func:`~fastpipe.schedule.ordered.check_ordered`).
+
+Faults stay bounded as in the tag-matched transport: headers and abort headers travel on
+the gloo side group; payload waits poll their work and the abort key (NCCL's ``wait()``
+does not block the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastpipe.errors import PipelineError
+from fastpipe.runtime.p2p import (
+    _ACT,
+    _GRAD,
+    P2PTransport,
+    Watchdog,
+    _layout,
+    _pack,
+    _SendReaper,
+    _tensors,
+    _what,
+)
+from fastpipe.schedule.ordered import Op
+
+__all__ = ["OrderedTransport"]
+
+
+class OrderedTransport(P2PTransport):
+    """Payloads matched by order on ``group``; headers matched by tag on ``header_group`` (gloo).
+
+    Args:
+        group: the pipeline process group that carries payloads (NCCL, or gloo in tests).
+        header_group: a gloo group of the same ranks in the same order.
+        num_stages: stages in the pipeline.
+        watchdog: bounds every wait.
+        device: where payloads live (this rank's GPU for NCCL).
+    """
+
+    def __init__(self, group: Any, header_group: Any, num_stages: int, watchdog: Watchdog,
+                 device: torch.device) -> None:
+        if dist.get_backend(header_group) != "gloo":
+            raise ValueError("fastpipe: the header group of an ordered transport must be a gloo group")
+        if [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] != [
+                dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))]:
+            raise ValueError("fastpipe: the header group must hold the pipeline group's ranks in the same order")
+        super().__init__(header_group, num_stages, watchdog, torch.device("cpu"))
+        self.data_group = group
+        self.data_device = device
+        self.polls = dist.get_backend(group) == "nccl"
+        self._payload_sends = _SendReaper(watchdog.timeout, poll=self.polls)
+        self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
+        self._arrived: dict[tuple[int, int, int], tuple[list[Any], dict[int, Tensor], list[Any], str]] = {}
+
+    # -- sending: the header now, the payload with the next batch -------------------------
+
+    def _send(self, kind: int, stage: int, microbatch: int, meta: list[Any], tensors: Sequence[Tensor]) -> None:
+        key = (kind, stage, microbatch)
+        self._owed.discard(key)
+        dst = self._global(self.owner(stage))
+        payload = []
+        for t in tensors:
+            flat = t.detach().contiguous().reshape(-1)
+            if flat.device != self.data_device:
+                raise ValueError(f"fastpipe: {_what(*key)} is on {flat.device}; the pipeline group moves tensors "
+                                 f"on {self.data_device} (keep every stage's outputs on its device)")
+            if flat.numel():
+                payload.append(flat.view(torch.uint8))
+        self._isend(_pack(meta), dst, self._tag(*key, 0))
+        self._outbox[key] = payload
+
+    # -- the plan's batches -----------------------------------------------------------------
+
+    def post(self, ops: Sequence[Op]) -> None:
+        """Post one batch of the plan: payload sends of values already produced, sized receives."""
+        p2p: list[dist.P2POp] = []
+        receiving: list[tuple[tuple[int, int, int], int]] = []  # (key, index into p2p) per receive buffer
+        sending: list[Tensor] = []
+        for op in ops:
+            key = (_ACT if op.message.kind == "F" else _GRAD, op.message.stage, op.message.microbatch)
+            if op.send:
+                payload = self._outbox.pop(key, None)
+                if payload is None:
+                    raise PipelineError(f"fastpipe: {_what(*key)} was not produced before its send (a plan bug)")
+                peer = self._global(self.owner(op.message.stage))
+                for t in payload:
+                    p2p.append(dist.P2POp(dist.isend, t, peer, group=self.data_group))
+                    sending.append(t)
+                continue
+            meta, inbound = self._read_header(key)
+            buffers = {}
+            for i, nbytes in enumerate(_layout(meta)):
+                if nbytes:
+                    buf = self._buffers.get((*key, i))
+                    if buf is None or buf.numel() != nbytes or buf.device != self.data_device:
+                        buf = self._buffers[(*key, i)] = torch.empty(nbytes, dtype=torch.uint8,
+                                                                     device=self.data_device)
+                    buffers[i] = buf
+                    receiving.append((key, len(p2p)))
+                    p2p.append(dist.P2POp(dist.irecv, buf, inbound.src, group=self.data_group))
+            self._arrived[key] = (meta, buffers, [], inbound.peer)
+        if not p2p:
+            return
+        works = dist.batch_isend_irecv(p2p)
+        # NCCL coalesces a batch into one work; gloo returns one per operation.
+        per_op = works if len(works) == len(p2p) else [works[-1]] * len(p2p)
+        for key, index in receiving:
+            self._arrived[key][2].append(per_op[index])
+        sent = [w for w, op in zip(per_op, p2p) if op.op is dist.isend]
+        if sent:
+            self._payload_sends.add(sent[-1] if len(works) != len(p2p) else _AllOf(sent), sending)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def _receive(self, kind: int, stage: int, microbatch: int) -> tuple[list[Any], dict[int, Tensor]]:
+        key = (kind, stage, microbatch)
+        arrived = self._arrived.pop(key, None)
+        if arrived is None:
+            raise PipelineError(f"fastpipe: {_what(*key)} was consumed before its receive was posted (a plan bug)")
+        meta, buffers, works, peer = arrived
+        for work in works:
+            if self.polls:
+                self.watchdog.poll(work, _what(*key), peer)
+            else:
+                self.watchdog.wait(work, _what(*key), peer)
+        return meta, _tensors(meta, buffers, self.data_device)
+
+    # -- step boundaries --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for every send of this step (bounded)."""
+        if self._outbox or self._arrived:
+            left = sorted(self._outbox) + sorted(self._arrived)
+            self.reset()
+            raise PipelineError(f"fastpipe: values never posted or never consumed in this step: {left} "
+                                "(a plan bug)")
+        self._payload_sends.drain(self.watchdog)
+        super().finish()
+
+    def reset(self) -> None:
+        super().reset()
+        self._outbox.clear()
+        self._arrived.clear()
+
+    def close(self) -> None:
+        super().close()
+        self._payload_sends.close()
+
+
+class _AllOf:
+    """Several works waited as one (gloo returns one per send of a batch)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait(timeout) if timeout is not None else w.wait()
+        return True

@@ -1,0 +1,224 @@
+"""Message order for transports that match by order (NCCL), and a check that it cannot deadlock.
+
+NCCL ignores tags: the k-th payload one rank sends to another lands in the k-th receive the
+other posted from it, and a send may not complete before its receive is posted. Posting
+each send after its producer and each receive before its consumer deadlocks as soon as two
+ranks swap values (each waits in a send for a receive queued behind the other's send).
+
+:func:`plan` therefore cuts a step into **rounds**, from one simulated run of the schedule:
+in each round every worker runs its next action if it already has the inputs, then posts
+one batch (``batch_isend_irecv``) that sends what that action produced and receives what
+was produced for it in the round::
+
+    worker 0:  0F0 [send F1/0] 0F1 [send F1/1, recv B0/0] 0B0 0F2 [send F1/2, recv B0/1] ...
+    worker 1:  [recv F1/0] 1F0 1B0 [send B0/0, recv F1/1] 1F1 1B1 [send B0/1, recv F1/2] ...
+
+Every batch of round r only pairs with batches of round r, and an action runs after the
+rounds that brought its inputs, so the plan cannot deadlock, whatever the timing. Each
+value's header (its shapes) travels ahead over a side channel matched by tag, so a receive
+is sized before its batch is posted.
+
+:func:`check_ordered` verifies a plan independently of how it was made:
+
+- **Order:** between every pair of workers the sender's payloads come in the order in which
+  the receiver posts for them; otherwise values would land in the wrong buffers.
+- **Progress** under the strictest reading of NCCL: each worker's batches run one after
+  another on one stream, a send completes only while its receive's batch runs too (no
+  buffering), a batch is posted once the headers of its receives were sent, and an action
+  waits for the batches with its inputs. Buffering and more streams only remove waits.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+
+__all__ = ["Message", "Op", "Step", "batches", "check_ordered", "plan"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One value crossing workers: ``kind`` "F" (activation into ``stage``) or "B" (gradient into ``stage``)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Op:
+    """A send or receive of one message from worker ``src`` to worker ``dst``."""
+
+    send: bool
+    message: Message
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a worker's plan: post ``ops`` as one batch, or (``action`` set) run a compute action."""
+
+    ops: tuple[Op, ...] = ()
+    action: Action | None = None
+
+
+def inputs(schedule: Schedule, action: Action) -> list[Message]:
+    """The values ``action`` receives from another worker."""
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
+    if action.kind == "F" and s > 0 and schedule.crosses(s - 1, s):
+        return [Message("F", s, m)]
+    if action.kind in ("B", "BW") and s < last and schedule.crosses(s, s + 1):
+        return [Message("B", s, m)]
+    return []
+
+
+def outputs(schedule: Schedule, action: Action) -> list[tuple[Message, int]]:
+    """The values ``action`` sends to another worker, with that worker."""
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
+    if action.kind == "F" and s < last and schedule.crosses(s, s + 1):
+        return [(Message("F", s + 1, m), schedule.worker_of(s + 1))]
+    if action.kind in ("B", "BW") and s > 0 and schedule.crosses(s - 1, s):
+        return [(Message("B", s - 1, m), schedule.worker_of(s - 1))]
+    return []
+
+
+def plan(schedule: Schedule, worker: int) -> list[Step]:
+    """What an ordered transport does on ``worker`` in one step, in order (see the module doc)."""
+    return list(_plans(schedule.without_communication())[worker])
+
+
+def batches(schedule: Schedule, worker: int) -> list[tuple[Op, ...]]:
+    """The batches an ordered transport posts on ``worker``, in order."""
+    return [step.ops for step in plan(schedule, worker) if step.action is None]
+
+
+@lru_cache(maxsize=16)
+def _plans(schedule: Schedule) -> tuple[tuple[Step, ...], ...]:
+    workers = range(schedule.num_workers)
+    steps: list[list[Step]] = [[] for _ in workers]
+    pc = [0] * schedule.num_workers
+    have: list[set[Message]] = [set() for _ in workers]
+    while any(pc[w] < len(schedule.workers[w]) for w in workers):
+        produced: list[list[tuple[Message, int]]] = [[] for _ in workers]
+        before = list(pc)
+        for w in workers:
+            actions = schedule.workers[w]
+            if pc[w] < len(actions) and all(msg in have[w] for msg in inputs(schedule, actions[pc[w]])):
+                steps[w].append(Step(action=actions[pc[w]]))
+                produced[w] += outputs(schedule, actions[pc[w]])
+                pc[w] += 1
+        if not any(produced) and pc == before:
+            stuck = [str(schedule.workers[w][pc[w]]) for w in workers if pc[w] < len(schedule.workers[w])]
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {', '.join(stuck)} wait for inputs "
+                                "that no action produces first")
+        ops: list[list[Op]] = [[] for _ in workers]
+        for w in workers:  # sends first, in the order produced; receives in each sender's order
+            ops[w] += [Op(True, msg, w, dst) for msg, dst in produced[w]]
+        for w in workers:
+            for msg, dst in produced[w]:
+                ops[dst].append(Op(False, msg, w, dst))
+                have[dst].add(msg)
+        for w in workers:
+            if ops[w]:
+                steps[w].append(Step(ops=tuple(ops[w])))
+    return tuple(tuple(s) for s in steps)
+
+
+def check_ordered(schedule: Schedule, programs: list[list[Step]] | None = None) -> None:
+    """Raise :class:`ScheduleError` unless the plans (default: :func:`plan`'s) are safe on NCCL."""
+    schedule = schedule.without_communication()
+    if programs is None:
+        programs = [plan(schedule, w) for w in range(schedule.num_workers)]
+    _check_order(programs)
+    _check_progress(schedule, programs)
+
+
+def _check_order(programs: list[list[Step]]) -> None:
+    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    received: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for program in programs:
+        for step in program:
+            for op in step.ops:
+                (sent if op.send else received)[(op.src, op.dst)].append(op.message)
+    for pair in sorted(set(sent) | set(received)):
+        a, b = sent[pair], received[pair]
+        if a != b:
+            first = next(i for i in range(len(a) + 1) if i >= len(a) or i >= len(b) or a[i] != b[i])
+            raise ScheduleError(
+                f"worker {pair[0]} sends to worker {pair[1]} in an order that worker does not receive in "
+                f"(message #{first}: sent {_name(a, first)}, expected {_name(b, first)}); NCCL matches messages "
+                "by order"
+            )
+
+
+def _name(messages: list[Message], i: int) -> str:
+    if i >= len(messages):
+        return "nothing"
+    msg = messages[i]
+    return f"the {'activation' if msg.kind == 'F' else 'gradient'} of stage {msg.stage}, micro-batch {msg.microbatch}"
+
+
+def _check_progress(schedule: Schedule, programs: list[list[Step]]) -> None:
+    """Run every worker's plan under rendezvous semantics on one stream; raise on a deadlock."""
+    # Where each message's send and receive sit: (worker, index of the batch on its stream).
+    where: dict[tuple[Message, bool], tuple[int, int]] = {}
+    for w, program in enumerate(programs):
+        for i, ops in enumerate(step.ops for step in program if step.action is None):
+            for op in ops:
+                where[(op.message, op.send)] = (w, i)
+    produced: set[Message] = set()  # their header was sent: their producer ran
+    moved: set[Message] = set()
+    pc = [0] * len(programs)
+    stream: list[list[tuple[Op, ...]]] = [[] for _ in programs]  # batches posted, in order
+    finished = [0] * len(programs)  # batches completed; stream[w][finished[w]] is the running one
+    progress = True
+    while progress:
+        progress = False
+        for w, program in enumerate(programs):
+            while pc[w] < len(program):
+                step = program[pc[w]]
+                if step.action is None:
+                    if any(not op.send and op.message not in produced for op in step.ops):
+                        break  # a receive cannot be sized before its header came
+                    stream[w].append(step.ops)
+                else:
+                    needed = inputs(schedule, step.action)
+                    if any(msg not in moved or where.get((msg, False), (w, -1))[1] >= finished[w] for msg in needed):
+                        break  # its input has not arrived
+                    produced.update(msg for msg, _ in outputs(schedule, step.action))
+                pc[w] += 1
+                progress = True
+        for w in range(len(programs)):
+            while finished[w] < len(stream[w]):
+                ops = stream[w][finished[w]]
+                for op in ops:
+                    peer, index = where[(op.message, not op.send)]
+                    if finished[peer] == index < len(stream[peer]):  # both batches run: the pair moves
+                        moved.add(op.message)
+                if not all(op.message in moved for op in ops):
+                    break
+                finished[w] += 1
+                progress = True
+    stuck = [_stuck(w, programs[w], pc[w], stream[w], finished[w]) for w in range(len(programs))
+             if pc[w] < len(programs[w]) or finished[w] < len(stream[w])]
+    if stuck:
+        raise ScheduleError(f"schedule {schedule.name!r} can deadlock on a transport that matches messages by "
+                            f"order (NCCL): {'; '.join(stuck)}")
+
+
+def _stuck(w: int, program: list[Step], pc: int, stream: list[tuple[Op, ...]], finished: int) -> str:
+    if finished < len(stream):
+        return f"worker {w} waits in a batch of {', '.join(_op_text(op) for op in stream[finished][:4])}"
+    step = program[pc]
+    if step.action is None:
+        return f"worker {w} waits for the headers of a batch of {', '.join(_op_text(op) for op in step.ops[:4])}"
+    return f"worker {w} waits for the input of {step.action}"
+
+
+def _op_text(op: Op) -> str:
+    what = f"{op.message.kind}{op.message.stage}/{op.message.microbatch}"
+    return f"send {what} to worker {op.dst}" if op.send else f"receive {what} from worker {op.src}"

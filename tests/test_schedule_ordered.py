@@ -1,0 +1,102 @@
+"""Plans for order-matched transports (NCCL): safe for every built-in schedule, and the checker has teeth."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from fastpipe.schedule import SCHEDULES, Action, Schedule, ScheduleError, build
+from fastpipe.schedule.ordered import Op, Step, check_ordered, inputs, outputs, plan
+
+
+def _configs():
+    for name in SCHEDULES:
+        for k in range(1, 7):
+            for m in range(1, 10):
+                for v in (1, 2, 3) if name == "interleaved" else (1,):
+                    if name == "interleaved" and m % k:
+                        continue
+                    yield name, k, m, v
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_plans_of_every_builtin_schedule_are_safe_on_nccl(name: str) -> None:
+    for _, k, m, v in (c for c in _configs() if c[0] == name):
+        s = build(name, k, m, virtual_stages=v)
+        check_ordered(s)
+        sends: Counter = Counter()
+        receives: Counter = Counter()
+        for w in range(k):
+            steps = plan(s, w)
+            assert [st.action for st in steps if st.action is not None] == list(s.workers[w])
+            for i, st in enumerate(steps):
+                sends.update(op.message for op in st.ops if op.send)
+                receives.update(op.message for op in st.ops if not op.send)
+                if st.action is not None and outputs(s, st.action):  # sent right after it is produced
+                    assert i + 1 < len(steps) and steps[i + 1].action is None
+                    assert {msg for msg, _ in outputs(s, st.action)} <= {op.message for op in steps[i + 1].ops}
+        expected = Counter(msg for w in range(k) for a in s.workers[w] for msg in inputs(s, a))
+        assert sends == expected and receives == expected, (name, k, m, v)
+
+
+def _per_action_batches(s: Schedule, worker: int) -> list[Step]:
+    """The obvious plan: after each action, one batch with its sends and the next action's receives."""
+    steps: list[Step] = []
+    pending: list[Op] = []
+    for a in s.workers[worker]:
+        ops = pending + [Op(False, msg, s.worker_of(msg.stage + (-1 if msg.kind == "F" else 1)), worker)
+                         for msg in inputs(s, a)]
+        if ops:
+            steps.append(Step(ops=tuple(ops)))
+        steps.append(Step(action=a))
+        pending = [Op(True, msg, worker, dst) for msg, dst in outputs(s, a)]
+    if pending:
+        steps.append(Step(ops=tuple(pending)))
+    return steps
+
+
+def test_checker_rejects_the_per_action_plan_that_deadlocks_gpipe() -> None:
+    # GPipe, 2 stages, 1 micro-batch: worker 0 posts [send F, receive B] as one batch, but the
+    # gradient's header cannot exist before worker 1 had the activation: a real NCCL hang.
+    s = build("gpipe", 2, 1)
+    with pytest.raises(ScheduleError, match="can deadlock"):
+        check_ordered(s, [_per_action_batches(s, w) for w in range(2)])
+    check_ordered(s)
+
+
+def test_checker_rejects_receives_out_of_order() -> None:
+    s = build("1f1b", 2, 4)
+    programs = [plan(s, w) for w in range(2)]
+    recv = [i for i, st in enumerate(programs[1]) if st.action is None and any(not op.send for op in st.ops)]
+    a, b = recv[0], recv[1]
+    programs[1][a], programs[1][b] = programs[1][b], programs[1][a]
+    with pytest.raises(ScheduleError, match="order"):
+        check_ordered(s, programs)
+
+
+def test_plan_of_a_deadlocking_schedule_raises() -> None:
+    # Worker 1 wants micro-batch 1 first while worker 0 produces micro-batch 0 first and then
+    # waits for its gradient: no ordering of transfers can save it.
+    w0 = (Action("F", 0, 0), Action("BW", 0, 0), Action("F", 0, 1), Action("BW", 0, 1))
+    w1 = (Action("F", 1, 1), Action("BW", 1, 1), Action("F", 1, 0), Action("BW", 1, 0))
+    s = Schedule("custom", 2, 2, 2, (w0, w1))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        plan(s, 0)
+
+
+def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastpipe.runtime.distributed import _check_nccl_device, _ordered
+
+    with pytest.raises(ValueError, match="CUDA tensors.*gloo group for CPU stages"):
+        _check_nccl_device(torch.device("cpu"))
+    monkeypatch.setenv("FASTPIPE_P2P", "tags")
+    with pytest.raises(ValueError, match="ignores tags"):
+        _ordered("nccl")
+    assert _ordered("gloo") is False
+    monkeypatch.setenv("FASTPIPE_P2P", "fifo")
+    with pytest.raises(ValueError, match="'ordered' or 'tags'"):
+        _ordered("gloo")
+    monkeypatch.delenv("FASTPIPE_P2P")
+    assert _ordered("nccl") is True and _ordered("gloo") is False
