@@ -3,7 +3,8 @@
 Two gloo processes with one intra-op thread each run the foundation workload (8 residual
 MLP blocks 512/2048, batch 256, 8 micro-batches, split [4, 4]) with:
 
-* fastpipe's ``DistributedPipe`` (1F1B, GPipe and ZB-H1, checkpoint never);
+* fastpipe's ``DistributedPipe`` (1F1B, GPipe and ZB-H1, checkpoint never; with
+  ``--ordered`` also 1F1B over the order-matched transport that NCCL groups use);
 * ``torch.distributed.pipelining`` (Schedule1F1B and ScheduleGPipe, the same split and
   micro-batches);
 
@@ -47,6 +48,9 @@ def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: in
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    schedule, _, transport = schedule.partition("+")
+    if transport:  # "ordered": the order-matched transport NCCL runs, here over gloo
+        os.environ["FASTPIPE_P2P"] = transport
     dist.init_process_group("gloo", rank=rank, world_size=K)
     pipe = DistributedPipe(make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never")
     x, y = make_batch()
@@ -97,6 +101,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over all methods (alternating)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-pipelining", action="store_true")
+    parser.add_argument("--ordered", action="store_true",
+                        help="also run fastpipe 1F1B over the order-matched transport NCCL uses (on gloo)")
     args = parser.parse_args()
 
     # T_mb runs under the same allocator settings as fastpipe's ranks (see
@@ -105,6 +111,8 @@ def main() -> None:
     tune_host_allocator()
     load_before = os.getloadavg()
     runs = [(f"fastpipe {s} (2 gloo ranks)", _fastpipe_worker, s) for s in ("1f1b", "gpipe", "zb-h1")]
+    if args.ordered:
+        runs += [(f"fastpipe {s}, NCCL's ordered transport", _fastpipe_worker, f"{s}+ordered") for s in ("1f1b",)]
     if not args.skip_pipelining:
         runs += [(f"pipelining {s} (2 gloo ranks)", _pippy_worker, s) for s in ("1f1b", "gpipe")]
     times: dict[str, list[float]] = {}
@@ -126,9 +134,9 @@ def main() -> None:
           f"1 thread; median of {args.repeats} x {args.rounds} steps; load average {load_before[0]:.2f} -> "
           f"{load_after[0]:.2f}")
     print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
-    print(f"{'method':34s} {'ms':>8s} {'x limit':>8s}")
+    print(f"{'method':40s} {'ms':>8s} {'x limit':>8s}")
     for name, t in med.items():
-        print(f"{name:34s} {t * 1e3:8.0f} {t / limit:8.2f}")
+        print(f"{name:40s} {t * 1e3:8.0f} {t / limit:8.2f}")
     result = {"limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "repeats": args.repeats, "median_s": med,
               "ratio_to_limit": {n: t / limit for n, t in med.items()},
               "load_average": {"before": load_before, "after": load_after}}
