@@ -60,3 +60,22 @@ def test_train_step_frees_every_graph(schedule):
         step()
     assert live_tensors() <= tensors
     assert threading.active_count() == threads
+
+
+def test_backward_hands_gradients_to_autograd_without_a_copy():
+    # Workers must keep no reference to a finished step: otherwise autograd cannot adopt the
+    # pipeline's summed weight gradients as .grad and copies every one of them (it did:
+    # 15 ms per step on the reference workload).
+    torch.manual_seed(0)
+    pipe = Pipe(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), balance=[2, 2], chunks=4)
+    made = []
+    backward = pipe._runtime.backward
+
+    def spy(*args, **kwargs):
+        input_grads, param_grads = backward(*args, **kwargs)
+        made.extend(g.data_ptr() for stage in param_grads for g in stage)
+        return input_grads, param_grads
+
+    pipe._runtime.backward = spy
+    pipe(torch.randn(8, 32)).sum().backward()
+    assert [p.grad.data_ptr() for p in pipe.parameters()] == made

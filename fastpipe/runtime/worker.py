@@ -153,6 +153,7 @@ def _worker_main(q: queue.SimpleQueue[Any]) -> None:
             if item is None:
                 return
             job, report, done = item
+            del item  # a job holds its step's state (gradients among it): keep nothing once it ran
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
