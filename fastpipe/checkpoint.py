@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fastpipe.runtime.p2p import bounded_barrier
+from fastpipe.runtime.watchdog import bounded_barrier
 
 __all__ = ["save", "load", "FORMAT"]
 

@@ -5,7 +5,7 @@ Each rank of the pipeline group runs its own worker's action list of the
 runtime; only the :class:`~fastpipe.runtime.transport.Transport` differs
 (:class:`~fastpipe.runtime.p2p.P2PTransport`). Every rank raises
 :class:`~fastpipe.PipelineError` naming the rank and stage that failed first
-(see :mod:`fastpipe.runtime.p2p` for how waits are bounded).
+(see :mod:`fastpipe.runtime.watchdog` for how waits are bounded).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.local import LossSpec, Recorder, Stage, StepRunner, StepState
-from fastpipe.runtime.p2p import DEFAULT_TIMEOUT, P2PTransport, Watchdog, bounded_barrier
+from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
+from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Action, Schedule, ScheduleError
 from fastpipe.schedule.ordered import Step, check_ordered, plan

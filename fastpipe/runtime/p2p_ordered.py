@@ -29,17 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.errors import PipelineError
-from fastpipe.runtime.p2p import (
-    _ACT,
-    _GRAD,
-    P2PTransport,
-    Watchdog,
-    _layout,
-    _pack,
-    _SendReaper,
-    _tensors,
-    _what,
-)
+from fastpipe.runtime.p2p import P2PTransport
+from fastpipe.runtime.watchdog import SendReaper, Watchdog
+from fastpipe.runtime.wire import ACT, GRAD, describe, pack, payload_sizes, tensors_from
 from fastpipe.schedule.ordered import Op
 
 __all__ = ["OrderedTransport"]
@@ -67,7 +59,7 @@ class OrderedTransport(P2PTransport):
         self.data_group = group
         self.data_device = device
         self.polls = dist.get_backend(group) == "nccl"
-        self._payload_sends = _SendReaper(watchdog.timeout, poll=self.polls)
+        self._payload_sends = SendReaper(watchdog.timeout, poll=self.polls)
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._arrived: dict[tuple[int, int, int], tuple[list[Any], dict[int, Tensor], list[Any], str]] = {}
 
@@ -81,11 +73,11 @@ class OrderedTransport(P2PTransport):
         for t in tensors:
             flat = t.detach().contiguous().reshape(-1)
             if flat.device != self.data_device:
-                raise ValueError(f"fastpipe: {_what(*key)} is on {flat.device}; the pipeline group moves tensors "
+                raise ValueError(f"fastpipe: {describe(*key)} is on {flat.device}; the pipeline group moves tensors "
                                  f"on {self.data_device} (keep every stage's outputs on its device)")
             if flat.numel():
                 payload.append(flat.view(torch.uint8))
-        self._isend(_pack(meta), dst, self._tag(*key, 0))
+        self._isend(pack(meta), dst, self._tag(*key, 0))
         self._outbox[key] = payload
 
     # -- the plan's batches -----------------------------------------------------------------
@@ -96,11 +88,11 @@ class OrderedTransport(P2PTransport):
         receiving: list[tuple[tuple[int, int, int], int]] = []  # (key, index into p2p) per receive buffer
         sending: list[Tensor] = []
         for op in ops:
-            key = (_ACT if op.message.kind == "F" else _GRAD, op.message.stage, op.message.microbatch)
+            key = (ACT if op.message.kind == "F" else GRAD, op.message.stage, op.message.microbatch)
             if op.send:
                 payload = self._outbox.pop(key, None)
                 if payload is None:
-                    raise PipelineError(f"fastpipe: {_what(*key)} was not produced before its send (a plan bug)")
+                    raise PipelineError(f"fastpipe: {describe(*key)} was not produced before its send (a plan bug)")
                 peer = self._global(self.owner(op.message.stage))
                 for t in payload:
                     p2p.append(dist.P2POp(dist.isend, t, peer, group=self.data_group))
@@ -108,7 +100,7 @@ class OrderedTransport(P2PTransport):
                 continue
             meta, inbound = self._read_header(key)
             buffers = {}
-            for i, nbytes in enumerate(_layout(meta)):
+            for i, nbytes in enumerate(payload_sizes(meta)):
                 if nbytes:
                     buf = self._buffers.get((*key, i))
                     if buf is None or buf.numel() != nbytes or buf.device != self.data_device:
@@ -135,14 +127,14 @@ class OrderedTransport(P2PTransport):
         key = (kind, stage, microbatch)
         arrived = self._arrived.pop(key, None)
         if arrived is None:
-            raise PipelineError(f"fastpipe: {_what(*key)} was consumed before its receive was posted (a plan bug)")
+            raise PipelineError(f"fastpipe: {describe(*key)} was consumed before its receive was posted (a plan bug)")
         meta, buffers, works, peer = arrived
         for work in works:
             if self.polls:
-                self.watchdog.poll(work, _what(*key), peer)
+                self.watchdog.poll(work, describe(*key), peer)
             else:
-                self.watchdog.wait(work, _what(*key), peer)
-        return meta, _tensors(meta, buffers, self.data_device)
+                self.watchdog.wait(work, describe(*key), peer)
+        return meta, tensors_from(meta, buffers, self.data_device)
 
     # -- step boundaries --------------------------------------------------------------------
 

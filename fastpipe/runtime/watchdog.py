@@ -1,0 +1,216 @@
+"""Bounded waits for the distributed runtime: nothing it does may wait forever.
+
+:class:`Watchdog` bounds every wait on a ``Work`` handle and carries the abort side channel
+(one key in the process group's store, written by the first rank that fails);
+:class:`SendReaper` waits for sends in the background so their buffers are freed as soon as
+they left; :func:`bounded_barrier` turns a rank that died before a collective into an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from fastpipe.errors import PipelineError
+
+__all__ = ["DEFAULT_TIMEOUT", "SendReaper", "Watchdog", "bounded_barrier"]
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def bounded_barrier(group: Any, timeout: float, what: str) -> None:
+    """Wait for every rank of ``group``, at most ``timeout`` seconds; raise PipelineError naming the missing.
+
+    Collectives (``gather_object``, ``broadcast_object_list``) wait forever for a dead rank.
+    Calling this first turns a rank that died before the collective into an error. gloo's
+    ``monitored_barrier`` names the ranks that did not arrive; other backends do not have it.
+    """
+    if dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as exc:
+        raise PipelineError(
+            f"fastpipe: {what}: not every rank arrived within {timeout:g} s (a rank died or hangs): {exc}"
+        ) from exc
+
+
+class Watchdog:
+    """Bounded waits on ``Work`` handles plus the abort side channel in a ``Store``.
+
+    A receive blocks in gloo's ``wait(timeout)`` (gloo's point-to-point ``Work`` only
+    learns that it completed there, and an expired wait breaks the connection, so it is
+    used once, with the whole bound). A peer that fails does not leave it waiting that
+    long: :meth:`fail` calls ``on_fail``, with which the transport sends an abort header in
+    place of every value this rank still owed its peers, and a dead peer's connection
+    error ends the wait at once. Collectives are polled while the abort key is watched.
+
+    Args:
+        store: shared key-value store (the process group's), or None (timeouts only).
+        key: the abort key; the first failing rank writes its diagnosis there.
+        timeout: seconds any single wait may take.
+        rank: this process's global rank (for messages).
+    """
+
+    def __init__(self, store: dist.Store | None, key: str, timeout: float, rank: int) -> None:
+        self.store = store
+        self.key = key
+        self.timeout = timeout
+        self.rank = rank
+        self.failure: PipelineError | None = None
+        self.on_fail: Callable[[str], None] | None = None
+        self._next_check = 0.0
+
+    def published(self) -> str | None:
+        """The abort message another rank wrote, if any."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self.key]):
+                return self.store.get(self.key).decode()
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone
+            return f"the store is unreachable ({type(exc).__name__}: {exc}); its host rank likely died"
+        return None
+
+    def publish(self, message: str) -> str:
+        """Write ``message`` unless another rank failed first; returns the message that won."""
+        if self.store is not None:
+            try:
+                won = self.store.compare_set(self.key, "", message)
+                return won.decode() if isinstance(won, bytes) else str(won)
+            except Exception:  # noqa: BLE001 - nothing more to tell anyone
+                pass
+        return message
+
+    def fail(self, diagnosis: str) -> PipelineError:
+        """Record the failure (first cause wins) and return the error to raise."""
+        if self.failure is None:
+            cause = self.published() or self.publish(diagnosis)
+            self.failure = PipelineError(f"fastpipe: {cause}")
+            if self.on_fail is not None:
+                try:
+                    self.on_fail(cause)
+                except Exception:  # noqa: BLE001 - best effort: peers still have the store and timeouts
+                    pass
+        return self.failure
+
+    def check(self) -> None:
+        """Raise if the step failed on another rank (rate-limited store poll)."""
+        if self.failure is not None:
+            raise self.failure
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 0.05
+        message = self.published()
+        if message is not None:
+            raise self.fail(message)
+
+    def wait(self, work: Any, what: str, peer: str) -> None:
+        """Block for a receive, at most ``timeout`` seconds; ``peer`` names who should deliver."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except BaseException as exc:  # noqa: BLE001 - gloo reports a lost peer or a timeout this way
+            raise self._broken(exc, what, peer) from None
+
+    def wait_collective(self, work: Any, what: str) -> None:
+        """Poll a collective (gloo collectives complete in the background)."""
+        self.poll(work, what, "a peer rank")
+
+    def poll(self, work: Any, what: str, peer: str) -> None:
+        """Poll ``work`` until it completed, at most ``timeout`` seconds, watching the abort key.
+
+        For work that completes in the background: collectives, and NCCL operations, whose
+        ``wait()`` would only make the current CUDA stream wait.
+        """
+        if self.failure is not None:
+            raise self.failure
+        deadline = time.monotonic() + self.timeout
+        pause = 5e-5
+        while not work.is_completed():
+            self.check()
+            if time.monotonic() > deadline:
+                raise self._late(what, peer)
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001
+            raise self._broken(exc, what, peer) from None
+
+    def _late(self, what: str, peer: str) -> PipelineError:
+        return self.fail(f"{peer} did not deliver {what} within {self.timeout:g} s (dead or hung); "
+                         f"seen from rank {self.rank}")
+
+    def _broken(self, exc: BaseException, what: str, peer: str) -> PipelineError:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "Timed out" in text or "timed out" in text:
+            return self._late(what, peer)
+        return self.fail(f"{peer} failed while rank {self.rank} waited for {what} ({text})")
+
+
+class SendReaper:
+    """Waits for sends in the background and drops each buffer once it has left.
+
+    gloo only learns that an ``isend`` completed inside ``wait()``; without this thread a
+    step would keep every sent activation alive until its end (defeating checkpointing).
+    """
+
+    def __init__(self, timeout: float, poll: bool = False) -> None:
+        self.timeout = timeout
+        self.poll = poll  # NCCL: wait() would not block the host; poll is_completed() instead
+        self.error: BaseException | None = None
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def add(self, work: Any, buf: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, daemon=True, name="fastpipe-sends")
+            self._thread.start()
+        with self._cond:
+            self._pending += 1
+        self._queue.put((work, buf))
+
+    def _main(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self.poll:
+                    deadline = time.monotonic() + self.timeout
+                    while not item[0].is_completed():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"timed out after {self.timeout:g} s")
+                        time.sleep(1e-4)
+                item[0].wait(datetime.timedelta(seconds=self.timeout))
+            except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
+                self.error = self.error or exc
+            del item
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def drain(self, watchdog: Watchdog) -> None:
+        """Wait until every send left (bounded; watching the abort key meanwhile)."""
+        while True:
+            with self._cond:
+                if self._pending == 0 or self.error is not None:
+                    break
+                self._cond.wait(0.05)
+            watchdog.check()
+        if self.error is not None:
+            text = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
+            raise watchdog.fail(f"a send from rank {watchdog.rank} did not complete ({text})")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None

@@ -1,0 +1,72 @@
+"""The wire format of values crossing ranks: a fixed-size header, then raw payload bytes.
+
+The header (pickled, :data:`HEADER` bytes) says what the value is: a lone tensor or a
+tuple, then per item its shape, dtype and ``requires_grad`` flag, or a non-tensor item
+itself. The tensor items travel as flat byte buffers of the sizes :func:`payload_sizes`
+gives and come back as views of those buffers (:func:`tensors_from`). Keys name values:
+``(ACT | GRAD, stage, micro-batch)``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ACT", "GRAD", "HEADER", "describe", "payload_sizes", "pack", "tensors_from", "unpack"]
+
+HEADER = 512  # bytes of the fixed-size header (pickled shapes, dtypes, flags, non-tensor items)
+ACT, GRAD = 0, 1
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _nbytes(item: Any) -> int:
+    return int(torch.Size(item[1]).numel()) * torch.empty((), dtype=_dtype(item[2])).element_size()
+
+
+def pack(meta: list[Any]) -> Tensor:
+    """The fixed-size header tensor (uint8, CPU) for ``meta``."""
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(blob) > HEADER - 4:
+        raise ValueError(f"fastpipe: the non-tensor items of a stage output pickle to {len(blob)} bytes; "
+                         f"at most {HEADER - 4} fit in a header (pass big objects as tensors)")
+    head = bytearray(HEADER)
+    head[:4] = len(blob).to_bytes(4, "little")
+    head[4:4 + len(blob)] = blob
+    return torch.frombuffer(head, dtype=torch.uint8)
+
+
+def unpack(header: Tensor) -> list[Any]:
+    raw = header.cpu().numpy().tobytes()
+    meta: list[Any] = pickle.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+    return meta
+
+
+def payload_sizes(meta: list[Any]) -> tuple[int, ...]:
+    """Payload bytes per item of a header (0 for non-tensor items)."""
+    return tuple(_nbytes(item) if item[0] == "t" else 0 for item in meta[2:])
+
+
+def tensors_from(meta: list[Any], buffers: dict[int, Tensor], device: torch.device) -> dict[int, Tensor]:
+    """The tensor items of a received value, as views of their byte buffers."""
+    tensors: dict[int, Tensor] = {}
+    for i, item in enumerate(meta[2:]):
+        if item[0] == "t":
+            buf = buffers.get(i)
+            dtype = _dtype(item[2])
+            if buf is None:  # an empty tensor travels in the header only
+                tensors[i] = torch.empty(item[1], dtype=dtype, device=device)
+            else:
+                tensors[i] = buf.view(dtype).view(item[1]).detach()
+    return tensors
+
+
+def describe(kind: int, stage: int, microbatch: int) -> str:
+    return f"the {'activation' if kind == ACT else 'gradient'} for stage {stage}, micro-batch {microbatch}"
