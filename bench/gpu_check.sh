@@ -17,7 +17,7 @@ CHECKS=(
   "gpu-tests|240|python -m pytest -m gpu -q -p no:cacheprovider"
   "copy_overlap|60|python bench/copy_overlap.py --runs 5"
   "kernels|150|python bench/kernels.py --json $OUT_DIR/kernels.json"
-  "nccl|120|python bench/nccl_smoke.py --limit 50"
+  "nccl|100|python bench/nccl_smoke.py --limit 30"
   # "my_bench|60|python bench/my_bench.py"   <- append new checks here
 )
 
