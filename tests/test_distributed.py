@@ -93,14 +93,16 @@ class ToTuple(nn.Module):
     """Makes the value crossing the stage boundary a tuple with non-tensor items."""
 
     def forward(self, x: torch.Tensor) -> tuple:
-        return (x, x.size(1), "tag", (x > 0).sum(-1))
+        # int64, bool and empty tensors cross the rank boundary too (an empty one has no payload)
+        return (x, x.size(1), "tag", (x > 0).sum(-1), x.new_zeros(0, 3), x[..., :1] > 0)
 
 
 class FromTuple(nn.Module):
     def forward(self, value: tuple) -> torch.Tensor:
-        x, length, tag, count = value
+        x, length, tag, count, empty, mask = value
         assert tag == "tag" and length == x.size(1)
-        return x * 2 + count.unsqueeze(-1).to(x.dtype) * 0.01
+        assert empty.shape == (0, 3) and mask.dtype == torch.bool and mask.shape == (*x.shape[:-1], 1)
+        return x * 2 + count.unsqueeze(-1).to(x.dtype) * 0.01 + mask.to(x.dtype) * 0.001
 
 
 def _dynamic(rank: int, world: int, transport: str) -> list[tuple[int, float, float]]:
