@@ -188,33 +188,51 @@ if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _through_pipe(rank: int, world: int) -> tuple[str, float]:
+class Slow(nn.Module):
+    """Identity that takes 30 ms: the next rank must be seen waiting for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return x
+
+
+def _model_with_slow_stage_0() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def _through_pipe(rank: int, world: int) -> tuple[str, float, list[tuple[str, float]], str]:
     import torch.distributed as dist
 
     from fastpipe import DistributedPipe, Pipe
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
-    pipe = Pipe(model, balance=[2, 2], chunks=2, schedule="1f1b", process_group=dist.group.WORLD)
+    pipe = Pipe(_model_with_slow_stage_0(), balance=[2, 2], chunks=2, schedule="1f1b",
+                process_group=dist.group.WORLD)
     assert isinstance(pipe, DistributedPipe)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
     loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), trace=True)
     events = pipe.last_timeline.events
-    assert sorted(e.action for e in events) == sorted(f"{rank}{k}{m}" for k in ("F", "BW") for m in range(2))
+    compute = [e.action for e in events if "RECV" not in e.action]
+    assert sorted(compute) == sorted(f"{rank}{k}{m}" for k in ("F", "BW") for m in range(2))
     assert all(e.worker == rank for e in events)
-    return type(pipe).__name__, float(loss)
+    waits = [(e.action, e.duration) for e in events if "RECV" in e.action]
+    return type(pipe).__name__, float(loss), waits, transport_of(pipe)
 
 
-def test_pipe_with_process_group_is_distributed() -> None:
+def test_pipe_with_process_group_is_distributed_and_traces_its_waits(transport: str) -> None:
     outcomes = run_ranks(_through_pipe, 2)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    model = _model_with_slow_stage_0()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
     expected = float(nn.functional.mse_loss(model(x), y).detach())
     for outcome in outcomes:
         assert "ok" in outcome, outcome
-        name, loss = outcome["ok"]
-        assert name == "DistributedPipe"
+        name, loss, _, used = outcome["ok"]
+        assert name == "DistributedPipe" and used == transport
         assert abs(loss - expected) < 1e-6
+    # Rank 1 waits ~30 ms for an activation of the slow stage 0; the timeline says so.
+    waits = outcomes[1]["ok"][2]
+    assert all(a.startswith("1RECV_F") for a, _ in waits), waits
+    assert max((d for _, d in waits), default=0.0) > 0.02, waits
+    assert all(a.startswith("0RECV_B") for a, _ in outcomes[0]["ok"][2])

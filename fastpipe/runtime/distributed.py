@@ -30,9 +30,11 @@ from fastpipe.runtime.p2p_ordered import OrderedTransport
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Action, Schedule, ScheduleError
-from fastpipe.schedule.ordered import Step, check_ordered, plan
+from fastpipe.schedule.ordered import Message, Step, check_ordered, inputs, plan
 
 __all__ = ["DistributedRuntime", "StepOutcome", "DEFAULT_TIMEOUT"]
+
+_SHOWN_WAIT = 1e-4  # seconds: shorter waits for a peer's value stay out of the timeline
 
 @dataclass
 class StepOutcome:
@@ -105,6 +107,14 @@ class DistributedRuntime:
         self.bucket_bytes = bucket_bytes
         self.recorder = recorder
         self.steps = 0
+
+    def _record_wait(self, messages: Sequence[Message], since: float, until: float | None = None) -> None:
+        """Show a wait for cross-rank values in the timeline, as the IR's RECV action of the first one."""
+        until = time.perf_counter() if until is None else until
+        if self.recorder is None or not messages or until - since < _SHOWN_WAIT:
+            return
+        first = messages[0]
+        self.recorder(self.rank, f"{first.stage}RECV_{first.kind}{first.microbatch}", since, until)
 
     def _plan(self, schedule: Schedule) -> list[Step]:
         """This rank's posts and actions for an ordered transport; refuses schedules that could deadlock."""
@@ -195,10 +205,12 @@ class DistributedRuntime:
             i = -1
             for step in steps:
                 action = step.action
+                called = time.perf_counter()
                 try:
                     if action is None:
                         assert isinstance(self.transport, OrderedTransport)
                         self.transport.post(step.ops)
+                        self._record_wait([op.message for op in step.ops if not op.send], called)
                         continue
                     i += 1
                     start = handlers[action.kind](action)
@@ -210,6 +222,7 @@ class DistributedRuntime:
                                        f"{type(exc).__name__}: {exc}")
                     raise annotate(exc, f"fastpipe: raised on rank {self.global_rank} in {where}") from None
                 if self.recorder is not None:
+                    self._record_wait(inputs(schedule, action), called, start)
                     self.recorder(self.rank, str(action), start, time.perf_counter())
                 if self.dp_group is not None and last_grad_action.get(action.stage) == i:
                     reductions += self._start_reduce(action.stage, runner.param_grads[action.stage])
