@@ -12,7 +12,8 @@ Compares, on CPU:
 
 Every figure is reported as a ratio to the physical limit T_mb/K × (M+K−1)/M, measured in
 the same run. Timed steps are interleaved round-robin so machine noise hits all methods
-alike; the median over rounds is reported.
+alike; the median over rounds is reported, and (column ``paired``) the median over rounds of
+each step over the limit from the same round's T_mb, which cancels drift between rounds.
 
 Usage::
 
@@ -184,17 +185,25 @@ def main() -> None:
     t_mb = med["T_mb (accumulate 8 mb)"]
     limit = t_mb / k * (m + k - 1) / m
     rows = [(name, med[name], med[name] / limit) for name in med]
+    # Paired: each round's step over the limit from that round's own T_mb, so slow drift of
+    # the machine between rounds cancels (the separately timed pipelining runs have none).
+    scale = (m + k - 1) / (m * k)
+    paired = {name: statistics.median(t / (tm * scale) for t, tm in zip(ts, times["T_mb (accumulate 8 mb)"]))
+              for name, ts in times.items() if len(ts) == len(times["T_mb (accumulate 8 mb)"])
+              and not name.startswith("pipelining")}
     print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {m} micro-batches, {k} stages; "
           f"median of {args.rounds}")
     print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
-    print(f"{'method':34s} {'ms':>8s} {'x limit':>8s}")
+    print(f"{'method':34s} {'ms':>8s} {'x limit':>8s} {'paired':>8s}")
     for name, t, r in rows:
-        print(f"{name:34s} {t * 1e3:8.0f} {r:8.2f}")
+        pr = f"{paired[name]:8.2f}" if name in paired else f"{'-':>8s}"
+        print(f"{name:34s} {t * 1e3:8.0f} {r:8.2f} {pr}")
     one_stage = med["fastpipe [8] never"] / t_mb
     print(f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}")
     result = {
         "limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "median_s": med,
-        "ratio_to_limit": {n: r for n, _, r in rows}, "one_stage_overhead": one_stage,
+        "ratio_to_limit": {n: r for n, _, r in rows}, "paired_ratio_to_limit": paired,
+        "one_stage_overhead": one_stage,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result))
