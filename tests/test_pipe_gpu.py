@@ -11,18 +11,18 @@ from fastpipe import Pipe
 pytestmark = pytest.mark.gpu
 
 
-def model():
+def model(p=0.1):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.LayerNorm(64),
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(p), nn.Linear(64, 64), nn.LayerNorm(64),
                          nn.Linear(64, 8))
 
 
 @pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"]])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_transparency_on_gpu(devices, checkpoint):
-    net = model()
-    ref = copy.deepcopy(net).cuda().eval()
-    pipe = Pipe(net, balance=[3, 3], devices=devices, chunks=4, checkpoint=checkpoint).eval()
+    net = model(p=0.0)  # training mode, so checkpointed stages really recompute on the GPU
+    ref = copy.deepcopy(net).cuda()
+    pipe = Pipe(net, balance=[3, 3], devices=devices, chunks=4, checkpoint=checkpoint)
     x = torch.randn(16, 32)
     out = pipe(x.to(devices[0]))
     assert out.device == torch.device(devices[-1])
@@ -50,9 +50,9 @@ def test_dropout_reproducible_on_gpu():
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_train_step_on_gpu(schedule):
-    net = model()
-    ref = copy.deepcopy(net).cuda().eval()
-    pipe = Pipe(net, balance=[3, 3], devices=["cuda:0", "cuda:0"], chunks=4).eval()
+    net = model(p=0.0)
+    ref = copy.deepcopy(net).cuda()
+    pipe = Pipe(net, balance=[3, 3], devices=["cuda:0", "cuda:0"], chunks=4)
     x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
     loss = pipe.train_step(x, y, nn.MSELoss(), schedule=schedule)
     loss_ref = nn.functional.mse_loss(ref(x), y)
