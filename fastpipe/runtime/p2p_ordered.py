@@ -131,7 +131,7 @@ class OrderedTransport(P2PTransport):
         meta, buffers, works, peer = arrived
         for work in works:
             if self.polls:
-                self.watchdog.poll(work, describe(*key), peer)
+                self.watchdog.poll(work, describe(*key), peer, max_pause=5e-5)  # the next action waits on it
             else:
                 self.watchdog.wait(work, describe(*key), peer)
         return meta, tensors_from(meta, buffers, self.data_device)

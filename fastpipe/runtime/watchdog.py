@@ -125,11 +125,13 @@ class Watchdog:
         """Poll a collective (gloo collectives complete in the background)."""
         self.poll(work, what, "a peer rank")
 
-    def poll(self, work: Any, what: str, peer: str) -> None:
+    def poll(self, work: Any, what: str, peer: str, max_pause: float = 2e-3) -> None:
         """Poll ``work`` until it completed, at most ``timeout`` seconds, watching the abort key.
 
         For work that completes in the background: collectives, and NCCL operations, whose
-        ``wait()`` would only make the current CUDA stream wait.
+        ``wait()`` would only make the current CUDA stream wait. The pause between polls
+        doubles up to ``max_pause``, which bounds how late a completion is noticed: keep it
+        small where a compute action waits on the result (NCCL payloads).
         """
         if self.failure is not None:
             raise self.failure
@@ -140,7 +142,7 @@ class Watchdog:
             if time.monotonic() > deadline:
                 raise self._late(what, peer)
             time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            pause = min(pause * 2, max_pause)
         try:
             work.wait()
         except BaseException as exc:  # noqa: BLE001
