@@ -236,3 +236,60 @@ def test_pipe_with_process_group_is_distributed_and_traces_its_waits(transport: 
     assert all(a.startswith("1RECV_F") for a, _ in waits), waits
     assert max((d for _, d in waits), default=0.0) > 0.02, waits
     assert all(a.startswith("0RECV_B") for a, _ in outcomes[0]["ok"][2])
+
+
+class _Coalesced:
+    """One work for a whole batch that completes in the background, as NCCL's coalesced work does."""
+
+    def __init__(self, works: list) -> None:
+        import threading
+
+        self.works = works
+        self.done = threading.Event()
+        threading.Thread(target=self._finish, daemon=True).start()
+
+    def _finish(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: object = None) -> bool:
+        return self.done.wait(30.0)
+
+
+def _nccl_shaped(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from fastpipe import Pipe
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_Coalesced(real(ops))]  # type: ignore[assignment]
+    problems = []
+    for name, v in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]:
+        balance = [8 // (world * v)] * (world * v)
+        pipe = DistributedPipe(make_model(), balance, chunks=4, schedule=name, timeout=20)
+        transport = pipe._runtime.transport
+        transport.polls = transport._payload_sends.poll = True  # NCCL's way of waiting
+        local = Pipe(make_model(), balance, chunks=4)
+        for step in range(2):
+            x, y = make_batch(step, 8)
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+            expected = local.train_step(x, y, nn.MSELoss(), schedule=name, virtual_stages=v)
+            if not torch.equal(loss, expected):
+                problems.append(f"{name} step {step}: {loss.item()} != {expected.item()}")
+        ref = dict(local.named_parameters())
+        problems += [f"{name}: grad of {n}" for n, p in pipe.named_parameters() if not torch.equal(p.grad, ref[n].grad)]
+        pipe.close()
+    return problems
+
+
+def test_ordered_transport_with_nccl_shaped_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL returns one coalesced work per batch and its wait() does not block the host, so
+    # the ordered transport polls: that control flow, on gloo.
+    monkeypatch.setenv("FASTPIPE_P2P", "ordered")
+    for rank, problems in enumerate(check_ok(run_ranks(_nccl_shaped, 2, timeout=90))):
+        assert problems == [], f"rank {rank}: {problems}"
