@@ -100,3 +100,11 @@ def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport(monkeypatch:
         _ordered("gloo")
     monkeypatch.delenv("FASTPIPE_P2P")
     assert _ordered("nccl") is True and _ordered("gloo") is False
+
+
+def test_format_plan_shows_batches_between_actions() -> None:
+    from fastpipe.schedule.ordered import format_plan
+
+    text = format_plan(build("1f1b", 2, 2))
+    assert text.splitlines()[0].startswith("worker 0: 0F0 [sF1/0] 0F1")
+    assert "[rF1/0]" in text.splitlines()[1] and len(text.splitlines()) == 2

@@ -36,7 +36,7 @@ from functools import lru_cache
 
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 
-__all__ = ["Message", "Op", "Step", "batches", "check_ordered", "plan"]
+__all__ = ["Message", "Op", "Step", "batches", "check_ordered", "format_plan", "plan"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,21 @@ def outputs(schedule: Schedule, action: Action) -> list[tuple[Message, int]]:
 def plan(schedule: Schedule, worker: int) -> list[Step]:
     """What an ordered transport does on ``worker`` in one step, in order (see the module doc)."""
     return list(_plans(schedule.without_communication())[worker])
+
+
+def format_plan(schedule: Schedule) -> str:
+    """Every worker's plan on one line, batches in brackets (``s``/``r``: send/receive)::
+
+        worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 ...
+    """
+    def op(o: Op) -> str:
+        return f"{'s' if o.send else 'r'}{o.message.kind}{o.message.stage}/{o.message.microbatch}"
+
+    return "\n".join(
+        f"worker {w}: " + " ".join(str(st.action) if st.action is not None else f"[{','.join(op(o) for o in st.ops)}]"
+                                   for st in plan(schedule, w))
+        for w in range(schedule.num_workers)
+    )
 
 
 def batches(schedule: Schedule, worker: int) -> list[tuple[Op, ...]]:
