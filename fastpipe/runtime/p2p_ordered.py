@@ -56,6 +56,8 @@ class OrderedTransport(P2PTransport):
                 dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))]:
             raise ValueError("fastpipe: the header group must hold the pipeline group's ranks in the same order")
         super().__init__(header_group, num_stages, watchdog, torch.device("cpu"))
+        if device.type == "cuda" and device.index is None:  # compare like the tensors' own devices
+            device = torch.device("cuda", torch.cuda.current_device())
         self.data_group = group
         self.data_device = device
         self.polls = dist.get_backend(group) == "nccl"
