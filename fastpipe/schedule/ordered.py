@@ -8,10 +8,11 @@ ranks swap values (each waits in a send for a receive queued behind the other's 
 :func:`plan` therefore cuts a step into **rounds**, from one simulated run of the schedule:
 in each round every worker runs its next action if it already has the inputs, then posts
 one batch (``batch_isend_irecv``) that sends what that action produced and receives what
-was produced for it in the round::
+was produced for it in the round (1F1B, 2 stages, :func:`format_plan`; ``s``/``r`` send or
+receive the activation ``F`` or gradient ``B`` entering a stage, for a micro-batch)::
 
-    worker 0:  0F0 [send F1/0] 0F1 [send F1/1, recv B0/0] 0B0 0F2 [send F1/2, recv B0/1] ...
-    worker 1:  [recv F1/0] 1F0 1B0 [send B0/0, recv F1/1] 1F1 1B1 [send B0/1, recv F1/2] ...
+    worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 0F2 [sF1/2,rB0/1] 0BW1 ...
+    worker 1: [rF1/0] 1F0 [rF1/1] 1BW0 [sB0/0] 1F1 1BW1 [sB0/1,rF1/2] 1F2 1BW2 ...
 
 Every batch of round r only pairs with batches of round r, and an action runs after the
 rounds that brought its inputs, so the plan cannot deadlock, whatever the timing. Each
