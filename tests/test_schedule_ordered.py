@@ -108,3 +108,16 @@ def test_format_plan_shows_batches_between_actions() -> None:
     text = format_plan(build("1f1b", 2, 2))
     assert text.splitlines()[0].startswith("worker 0: 0F0 [sF1/0] 0F1")
     assert "[rF1/0]" in text.splitlines()[1] and len(text.splitlines()) == 2
+
+
+def test_even_workers_post_sends_ahead_but_both_sides_doing_it_would_deadlock() -> None:
+    from fastpipe.schedule.ordered import _plans, _split
+
+    s = build("1f1b", 2, 4)
+    rounds = _plans(s)
+    assert any(any(op.send for op in st.ops) and any(not op.send for op in st.ops) for st in rounds[0])
+    mine = plan(s, 0)
+    assert all(not (any(op.send for op in st.ops) and any(not op.send for op in st.ops)) for st in mine)
+    assert plan(s, 1) == list(rounds[1])
+    with pytest.raises(ScheduleError, match="can deadlock"):
+        check_ordered(s, [_split(steps) for steps in rounds])  # a swap where each side sends first

@@ -89,7 +89,36 @@ def outputs(schedule: Schedule, action: Action) -> list[tuple[Message, int]]:
 
 def plan(schedule: Schedule, worker: int) -> list[Step]:
     """What an ordered transport does on ``worker`` in one step, in order (see the module doc)."""
-    return list(_plans(schedule.without_communication())[worker])
+    return list(_safe_plans(schedule.without_communication())[worker])
+
+
+@lru_cache(maxsize=16)
+def _safe_plans(schedule: Schedule) -> tuple[tuple[Step, ...], ...]:
+    """The round plans, with the sends of even workers posted ahead of their receives when that is safe.
+
+    In a round where two workers swap values, each would post its send only once the
+    header of the value it receives has come, so the one that finished first waits for the
+    other's action before its own value leaves. Posting one side's sends on their own lets
+    that value go as soon as it exists. Both sides doing it would deadlock (each send queued
+    ahead of the receive the other's send needs), so only even workers do, and the result is
+    kept only if :func:`check_ordered` accepts it.
+    """
+    rounds = _plans(schedule)
+    split = tuple(tuple(_split(steps)) if w % 2 == 0 else steps for w, steps in enumerate(rounds))
+    try:
+        check_ordered(schedule, [list(steps) for steps in split])
+    except ScheduleError:
+        return rounds
+    return split
+
+
+def _split(steps: tuple[Step, ...]) -> list[Step]:
+    out: list[Step] = []
+    for step in steps:
+        sends = tuple(op for op in step.ops if op.send)
+        recvs = tuple(op for op in step.ops if not op.send)
+        out += [Step(ops=sends), Step(ops=recvs)] if sends and recvs else [step]
+    return out
 
 
 def format_plan(schedule: Schedule) -> str:
