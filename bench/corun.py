@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import accumulation_step  # noqa: E402
+from report import write_json  # noqa: E402
 from workload import CHUNKS, make_batch, make_model  # noqa: E402
 
 from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
@@ -73,9 +74,7 @@ def main() -> None:
     print("slowdown from both cores working: " + ", ".join(f"{k} {v:.3f}" for k, v in slowdown.items()))
     result = {"median_s": med, "slowdown": slowdown, "rounds": args.rounds}
     print("JSON " + json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

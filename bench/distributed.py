@@ -36,6 +36,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import LOSS, _pippy_worker, accumulation_step  # noqa: E402
+from report import write_json  # noqa: E402
 from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
 
 from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
@@ -141,10 +142,7 @@ def main() -> None:
               "ratio_to_limit": {n: t / limit for n, t in med.items()},
               "load_average": {"before": load_before, "after": load_after}}
     print(json.dumps(result))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_json  # noqa: E402
 from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
 
 from fastpipe import Pipe  # noqa: E402
@@ -207,10 +208,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     if args.png:
         import matplotlib
 

@@ -26,6 +26,9 @@ from torch import nn
 import fastpipe.kernels as fk
 from fastpipe.kernels.memory import count_saved_bytes
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_json  # noqa: E402
+
 __all__ = ["main"]
 
 
@@ -264,9 +267,11 @@ def main(argv: list[str] | None = None) -> dict:
         _print_table(f"fwd+bwd, {dtype}, rows={rows} hidden={hidden}", result["timings"])
     else:
         print("\n(no CUDA device: timings skipped; CPU times would not predict GPU behaviour)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
+    # One line for bench/gpu_check.sh's summary table: speed-up over eager and % of copy bandwidth per op.
+    brief = {r.get("op", "?"): [round(r.get("speedup_vs_eager", 0.0), 2), round(r.get("pct_of_copy_bw", 0.0))]
+             for r in result.get("timings", [])}
+    print("JSON " + json.dumps(brief or {"timings": "skipped (no CUDA)"}))
     return result
 
 

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_json  # noqa: E402
 from workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
 
 from fastpipe import Pipe  # noqa: E402
@@ -170,10 +171,7 @@ def main() -> None:
         print(f"{r['K']:2d} {r['schedule']:10s} {r['speedup']:9.2f} {r['bubble']:7.3f}")
     result = {"measured": meas, "predicted": pred, "bandwidth_gbs": args.bandwidth_gbs}
     print("JSON " + json.dumps({"measured": meas["rows"], "predicted": pred}))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     if args.png:
         import matplotlib
 

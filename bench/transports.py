@@ -29,6 +29,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import LOSS  # noqa: E402
+from report import write_json  # noqa: E402
 from workload import CHUNKS, make_batch, make_model  # noqa: E402
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
@@ -90,9 +91,7 @@ def main() -> None:
     for schedule, r in result.items():
         print(f"{schedule:10s} {r['tags_s'] * 1e3:8.0f} {r['ordered_s'] * 1e3:11.0f} {r['paired_ratio']:13.3f}")
     print("JSON " + json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":
