@@ -293,3 +293,21 @@ def test_ordered_transport_with_nccl_shaped_works(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FASTPIPE_P2P", "ordered")
     for rank, problems in enumerate(check_ok(run_ranks(_nccl_shaped, 2, timeout=90))):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_torchrun_runs_the_readme_example(tmp_path, transport: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "losses.json"
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_train.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           script, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2
+    assert result["transport"] == ("OrderedTransport" if transport == "ordered" else "P2PTransport")
+    assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
+    assert result["losses"][2] < result["losses"][0]  # it trains
