@@ -311,3 +311,31 @@ def test_torchrun_runs_the_readme_example(tmp_path, transport: str) -> None:
     assert result["transport"] == ("OrderedTransport" if transport == "ordered" else "P2PTransport")
     assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
     assert result["losses"][2] < result["losses"][0]  # it trains
+
+
+def test_torchrun_with_two_nodes_on_one_host(tmp_path) -> None:
+    # --nnodes 2: two launcher agents rendezvous at a master address, as on two hosts.
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "losses.json"
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_train.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.pop("FASTPIPE_P2P", None)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                script, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for n in (0, 1)]
+    try:
+        outputs = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert all(a.returncode == 0 for a in agents), [err[-2000:] for _, err in outputs]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and result["losses"] == pytest.approx(result["expected"], rel=1e-5)
