@@ -32,6 +32,7 @@ from fastpipe.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
+from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
 from fastpipe.trace import Timeline
@@ -42,6 +43,20 @@ Checkpoint = Literal["always", "except_last", "never"]
 StageBuilder = Callable[[int], nn.Module]
 
 
+
+
+def _check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout: float) -> None:
+    """Every rank of ``group`` must build the same pipeline: a rank with other settings would
+    expect other messages and fail only at the deadline, far from the cause."""
+    bounded_barrier(group, timeout, f"checking the {what} ranks' settings")
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, settings, group=group)
+    for key in settings:
+        values = [s[key] for s in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"fastpipe: the {what} ranks disagree on {key} ({per_rank}); build the "
+                             "DistributedPipe with the same arguments on every rank")
 
 
 def _groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
@@ -136,6 +151,11 @@ class DistributedPipe(nn.Module):
         self._stages = stages
         self._runtime = DistributedRuntime(stages, len(balance), group=group, dp_group=dp, timeout=timeout,
                                            bucket_bytes=bucket_bytes)
+        settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+                    "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan}
+        _check_same_settings(settings, group, "pipeline", timeout)
+        if dp is not None:
+            _check_same_settings(settings, dp, "data-parallel", timeout)
 
     @classmethod
     def from_stage_builder(cls, builder: StageBuilder, balance: Sequence[int], **kwargs: Any) -> DistributedPipe:

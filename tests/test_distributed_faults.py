@@ -170,3 +170,22 @@ def _calls_forward(rank: int, world: int) -> str:
 def test_forward_is_refused_with_a_hint() -> None:
     for message in check_ok(run_ranks(_calls_forward, 2)):
         assert message.startswith("PipelineError") and "train_step" in message
+
+
+def _mismatched(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    start = time.monotonic()
+    try:
+        DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=4 if rank == 0 else 2,
+                        schedule="1f1b", timeout=BOUND)
+    except ValueError as exc:
+        return {"message": str(exc), "elapsed": time.monotonic() - start}
+    return {"message": "no error"}
+
+
+def test_ranks_built_with_different_settings_are_refused_at_once() -> None:
+    for result in check_ok(run_ranks(_mismatched, 2, timeout=60)):
+        assert "disagree on chunks" in result["message"], result
+        assert "rank 0: 4" in result["message"] and "rank 1: 2" in result["message"]
+        assert result["elapsed"] < BOUND
