@@ -153,7 +153,7 @@ class DistributedPipe(nn.Module):
                                            bucket_bytes=bucket_bytes)
         settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
                     "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan}
-        _check_same_settings(settings, group, "pipeline", timeout)
+        _check_same_settings(settings, self._runtime.control_group, "pipeline", timeout)
         if dp is not None:
             _check_same_settings(settings, dp, "data-parallel", timeout)
 

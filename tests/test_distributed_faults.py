@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -189,3 +190,64 @@ def test_ranks_built_with_different_settings_are_refused_at_once() -> None:
         assert "disagree on chunks" in result["message"], result
         assert "rank 0: 4" in result["message"] and "rank 1: 2" in result["message"]
         assert result["elapsed"] < BOUND
+
+
+def _transport_differs(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    os.environ["FASTPIPE_P2P"] = "ordered" if rank == 1 else "tags"
+    start = time.monotonic()
+    try:
+        DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=2, timeout=BOUND)
+    except ValueError as exc:
+        return {"message": str(exc), "elapsed": time.monotonic() - start}
+    return {"message": "no error"}
+
+
+def test_ranks_with_different_transports_are_refused_at_once() -> None:
+    for result in check_ok(run_ranks(_transport_differs, 2, timeout=60)):
+        assert "disagree on the transport" in result["message"], result
+        assert "rank 0: tags" in result["message"] and "rank 1: ordered" in result["message"]
+        assert result["elapsed"] < BOUND
+
+
+class BigTag(nn.Module):
+    """Adds a non-tensor item too big for a header on the 2nd micro-batch of the second step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        self.calls += 1
+        return (x, "x" * (4000 if self.calls == 6 else 1))
+
+
+class DropTag(nn.Module):
+    def forward(self, value: tuple) -> torch.Tensor:
+        return value[0]
+
+
+def _unsendable(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), BigTag(), DropTag(), nn.Linear(HIDDEN, HIDDEN))
+    pipe = DistributedPipe(model, [2, 2], chunks=4, schedule="1f1b", checkpoint="never", timeout=BOUND)
+    x, y = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+    pipe.train_step(x, y, nn.MSELoss())
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, nn.MSELoss())
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        if rank == 0:
+            time.sleep(3.0)  # stay alive: the peer must learn of it from the abort header, not a lost connection
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"type": None}
+
+
+def test_a_value_that_cannot_be_sent_fails_the_peer_at_once(transport: str) -> None:
+    sender, receiver = check_ok(run_ranks(_unsendable, 2, timeout=60))
+    assert sender["type"] == "ValueError" and "header" in sender["message"], sender
+    assert receiver["type"] == "PipelineError" and "rank 0" in receiver["message"], receiver
+    assert receiver["elapsed"] < 2.0, receiver  # the abort header, not the 4 s bound

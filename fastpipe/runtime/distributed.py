@@ -10,6 +10,7 @@ runtime; only the :class:`~fastpipe.runtime.transport.Transport` differs
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 import uuid
@@ -93,14 +94,20 @@ class DistributedRuntime:
                 store = None
         self.global_rank = dist.get_rank()
         self.timeout = timeout
+        # Set-up waits are bounded on a gloo group of the pipeline's ranks: the group itself on
+        # gloo, else a side group (which also carries the ordered transport's headers). NCCL's
+        # own collectives would wait for a dead or misconfigured rank without limit.
+        self.side_group: Any = None if backend == "gloo" else self._gloo_side_group()
+        self.control_group: Any = self.group if backend == "gloo" else self.side_group
         self.watchdog = Watchdog(store, self._abort_key(), timeout, self.global_rank)
+        self._check_same_transport()
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
         self.transport: P2PTransport
         if self.ordered:
-            ranks = [self._global(r) for r in range(self.size)]
-            headers = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            self.transport = OrderedTransport(self.group, headers, num_stages, self.watchdog, device)
+            if self.side_group is None:
+                self.side_group = self._gloo_side_group()
+            self.transport = OrderedTransport(self.group, self.side_group, num_stages, self.watchdog, device)
         else:
             self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
         self._plans: dict[Schedule, list[Step]] = {}
@@ -127,11 +134,30 @@ class DistributedRuntime:
             steps = self._plans[schedule] = plan(schedule, self.rank)
         return steps
 
+    def _gloo_side_group(self) -> Any:
+        """A gloo group of the pipeline's ranks, created within ``timeout`` or PipelineError."""
+        ranks = [self._global(r) for r in range(self.size)]
+        try:
+            return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                                  timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - the store barrier inside timed out: a rank is missing
+            raise PipelineError(f"fastpipe: setting up the pipeline: not every rank of {ranks} arrived within "
+                                f"{self.timeout:g} s (a rank died, hangs or failed its set-up): {exc}") from exc
+
+    def _check_same_transport(self) -> None:
+        """All ranks must match messages the same way (``FASTPIPE_P2P`` is read on each rank)."""
+        modes: list[Any] = [None] * self.size
+        dist.all_gather_object(modes, "ordered" if self.ordered else "tags", group=self.control_group)
+        if len(set(modes)) > 1:
+            per_rank = ", ".join(f"rank {self._global(r)}: {m}" for r, m in enumerate(modes))
+            raise ValueError(f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
+                             "FASTPIPE_P2P the same on every rank, or unset it")
+
     def _abort_key(self) -> str:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
         name = [f"fastpipe/abort/{uuid.uuid4().hex}"]
-        bounded_barrier(self.group, self.timeout, "setting up the pipeline")
-        dist.broadcast_object_list(name, src=self._global(0), group=self.group)
+        bounded_barrier(self.control_group, self.timeout, "setting up the pipeline")
+        dist.broadcast_object_list(name, src=self._global(0), group=self.control_group)
         if self.dp_group is not None:
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         return str(name[0])
@@ -214,7 +240,10 @@ class DistributedRuntime:
                         continue
                     i += 1
                     start = handlers[action.kind](action)
-                except PipelineError:
+                except PipelineError as exc:
+                    if self.watchdog.failure is None:  # raised here (a plan bug), not learnt from a peer
+                        self.watchdog.fail(f"rank {self.global_rank} ({_where(action, actions[i + 1:], self.steps)})"
+                                           f" raised PipelineError: {exc}")
                     raise
                 except BaseException as exc:
                     where = _where(action, actions[i + 1:], self.steps)

@@ -169,7 +169,6 @@ class P2PTransport(Transport):
 
     def _send(self, kind: int, stage: int, microbatch: int, meta: list[Any], tensors: Sequence[Tensor]) -> None:
         key = (kind, stage, microbatch)
-        self._owed.discard(key)
         dst = self._global(self.owner(stage))
         if len(meta) - 2 > _FRESH - _SPECULATIVE:
             raise ValueError(f"fastpipe: a stage output has {len(meta) - 2} items; at most "
@@ -178,6 +177,7 @@ class P2PTransport(Transport):
         previous = self._sent_layout.get(key)
         meta[1] = previous == layout
         self._isend(pack(meta).to(self.device), dst, self._tag(*key, 0))
+        self._owed.discard(key)  # only now: if anything above raised, the peer still gets an abort header
         if previous is not None and previous != layout:  # fill the receives posted for the old layout
             for i, nbytes in enumerate(previous):
                 if nbytes:

@@ -9,9 +9,9 @@ start and lets tags sort them out, :class:`OrderedTransport`:
   group, matched by tag, so shapes may still change from step to step and every receive
   is sized before it is posted;
 - keeps the payloads until the runtime posts the next batch of the plan from
-  :func:`fastpipe.schedule.ordered.plan`: the sends of the action just done together with
-  the receives of the next one, in one ``batch_isend_irecv``. The plan is checked against
-  deadlock under NCCL's semantics before a schedule runs
+  :func:`fastpipe.schedule.ordered.plan` (one ``batch_isend_irecv`` per round: what the
+  action just done produced, and what peers produced for this rank in the same round).
+  The plan is checked against deadlock under NCCL's semantics before a schedule runs
   (:func:`~fastpipe.schedule.ordered.check_ordered`).
 
 Faults stay bounded as in the tag-matched transport: headers and abort headers travel on
@@ -69,7 +69,6 @@ class OrderedTransport(P2PTransport):
 
     def _send(self, kind: int, stage: int, microbatch: int, meta: list[Any], tensors: Sequence[Tensor]) -> None:
         key = (kind, stage, microbatch)
-        self._owed.discard(key)
         dst = self._global(self.owner(stage))
         payload = []
         for t in tensors:
@@ -80,6 +79,7 @@ class OrderedTransport(P2PTransport):
             if flat.numel():
                 payload.append(flat.view(torch.uint8))
         self._isend(pack(meta), dst, self._tag(*key, 0))
+        self._owed.discard(key)  # only now: if anything above raised, the peer still gets an abort header
         self._outbox[key] = payload
 
     # -- the plan's batches -----------------------------------------------------------------
