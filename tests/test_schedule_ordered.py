@@ -67,13 +67,15 @@ def test_checker_rejects_the_per_action_plan_that_deadlocks_gpipe() -> None:
 
 
 def test_checker_rejects_receives_out_of_order() -> None:
-    s = build("1f1b", 2, 4)
+    s = build("gpipe", 2, 4)
     programs = [plan(s, w) for w in range(2)]
-    recv = [i for i, st in enumerate(programs[1]) if st.action is None and any(not op.send for op in st.ops)]
+    recv = [i for i, st in enumerate(programs[1]) if st.action is None and all(not op.send for op in st.ops)]
     a, b = recv[0], recv[1]
-    programs[1][a], programs[1][b] = programs[1][b], programs[1][a]
-    with pytest.raises(ScheduleError, match="order"):
-        check_ordered(s, programs)
+    swapped = list(programs[1])  # receive b's value earlier, in one batch, ahead of a's: NCCL would cross them
+    swapped[a] = Step(ops=programs[1][b].ops + programs[1][a].ops)
+    del swapped[b]
+    with pytest.raises(ScheduleError, match="in an order that worker does not receive in"):
+        check_ordered(s, [programs[0], swapped])
 
 
 def test_plan_of_a_deadlocking_schedule_raises() -> None:
@@ -121,3 +123,15 @@ def test_even_workers_post_sends_ahead_but_both_sides_doing_it_would_deadlock() 
     assert plan(s, 1) == list(rounds[1])
     with pytest.raises(ScheduleError, match="can deadlock"):
         check_ordered(s, [_split(steps) for steps in rounds])  # a swap where each side sends first
+
+
+def test_checker_rejects_a_send_before_its_producer_and_misplaced_ops() -> None:
+    s = build("gpipe", 2, 1)
+    programs = [plan(s, w) for w in range(2)]
+    early = list(programs[0])
+    early[0], early[1] = early[1], early[0]  # [sF1/0] before 0F0
+    with pytest.raises(ScheduleError, match="before producing it"):
+        check_ordered(s, [early, programs[1]])
+    late = [st for st in programs[1] if st.action is not None or any(op.send for op in st.ops)]
+    with pytest.raises(ScheduleError, match="before receiving"):
+        check_ordered(s, [programs[0], late])

@@ -11,8 +11,10 @@ one batch (``batch_isend_irecv``) that sends what that action produced and recei
 was produced for it in the round (1F1B, 2 stages, :func:`format_plan`; ``s``/``r`` send or
 receive the activation ``F`` or gradient ``B`` entering a stage, for a micro-batch)::
 
-    worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 0F2 [sF1/2,rB0/1] 0BW1 ...
+    worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 0F2 [sF1/2] [rB0/1] 0BW1 ...
     worker 1: [rF1/0] 1F0 [rF1/1] 1BW0 [sB0/0] 1F1 1BW1 [sB0/1,rF1/2] 1F2 1BW2 ...
+
+(Worker 0 posts a round's send ahead of its receive, as its own batch: see :func:`plan`.)
 
 Every batch of round r only pairs with batches of round r, and an action runs after the
 rounds that brought its inputs, so the plan cannot deadlock, whatever the timing. Each
@@ -178,8 +180,37 @@ def check_ordered(schedule: Schedule, programs: list[list[Step]] | None = None) 
     schedule = schedule.without_communication()
     if programs is None:
         programs = [plan(schedule, w) for w in range(schedule.num_workers)]
+    _check_placement(schedule, programs)
     _check_order(programs)
     _check_progress(schedule, programs)
+
+
+def _check_placement(schedule: Schedule, programs: list[list[Step]]) -> None:
+    """Each worker runs exactly its actions, sends only what it already produced, and receives
+    what it consumes before the consumer runs."""
+    if len(programs) != schedule.num_workers:
+        raise ScheduleError(f"{len(programs)} plans for {schedule.num_workers} workers")
+    for w, program in enumerate(programs):
+        ran = [step.action for step in program if step.action is not None]
+        if ran != list(schedule.workers[w]):
+            raise ScheduleError(f"worker {w}'s plan does not run its schedule's actions in order")
+        produced: set[Message] = set()
+        received: set[Message] = set()
+        for step in program:
+            if step.action is not None:
+                missing = [m for m in inputs(schedule, step.action) if m not in received]
+                if missing:
+                    raise ScheduleError(f"worker {w} runs {step.action} before receiving {_name(missing, 0)}")
+                produced.update(m for m, _ in outputs(schedule, step.action))
+                continue
+            for op in step.ops:
+                if op.send and (op.src != w or op.message not in produced):
+                    raise ScheduleError(f"worker {w} sends {_name([op.message], 0)} before producing it "
+                                        "(or it is not its to send)")
+                if not op.send:
+                    if op.dst != w:
+                        raise ScheduleError(f"worker {w} posts a receive addressed to worker {op.dst}")
+                    received.add(op.message)
 
 
 def _check_order(programs: list[list[Step]]) -> None:
