@@ -108,6 +108,7 @@ class DistributedRuntime:
             if self.side_group is None:
                 self.side_group = self._gloo_side_group()
             self.transport = OrderedTransport(self.group, self.side_group, num_stages, self.watchdog, device)
+            self.transport.connect()
         else:
             self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
         self._plans: dict[Schedule, list[Step]] = {}

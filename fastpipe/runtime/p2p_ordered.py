@@ -65,6 +65,30 @@ class OrderedTransport(P2PTransport):
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._arrived: dict[tuple[int, int, int], tuple[list[Any], dict[int, Tensor], list[Any], str]] = {}
 
+    def connect(self) -> None:
+        """Exchange one byte with each neighbour rank, bounded by the watchdog.
+
+        NCCL opens a pair's connection lazily, inside the first send or receive between
+        them, and may block the host there until the peer arrives; doing it here, on every
+        rank at once, keeps that out of the first step (as ``torch.distributed.pipelining``
+        does for its neighbours). Stages s and s+1 sit on ranks r and r+1 (mod the group's
+        size), so the ring's neighbours are all the pairs that ever talk.
+        """
+        if self.size == 1:
+            return
+        ops: list[dist.P2POp] = []
+        for peer in sorted({(self.rank + 1) % self.size, (self.rank - 1) % self.size}):
+            g = self._global(peer)
+            ops.append(dist.P2POp(dist.isend, torch.ones(1, dtype=torch.uint8, device=self.data_device), g,
+                                  group=self.data_group))
+            ops.append(dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g,
+                                  group=self.data_group))
+        for work in dist.batch_isend_irecv(ops):
+            if self.polls:
+                self.watchdog.poll(work, "the connection handshake", "a neighbour rank")
+            else:
+                self.watchdog.wait(work, "the connection handshake", "a neighbour rank")
+
     # -- sending: the header now, the payload with the next batch -------------------------
 
     def _send(self, kind: int, stage: int, microbatch: int, meta: list[Any], tensors: Sequence[Tensor]) -> None:
