@@ -121,8 +121,9 @@ class P2PTransport(Transport):
         head = pack(["abort", message[:400]])
         owed, self._owed = sorted(self._owed), set()
         for key in owed:
-            dst = self._global(self.owner(key[1]))
-            dist.isend(head.to(self.device), dst=dst, group=self.group, tag=self._tag(*key, 0))
+            # Through the reaper, which keeps the work until the send left: a dropped gloo
+            # work may take its unsent buffer with it, and the peer would wait the full bound.
+            self._isend(head.to(self.device), self._global(self.owner(key[1])), self._tag(*key, 0))
 
     def _expect(self, kind: int, stage: int, microbatch: int, src_stage: int) -> None:
         key = (kind, stage, microbatch)
