@@ -14,6 +14,7 @@ fsync'ed, then renamed over ``path``. A crash or kill mid-write leaves the previ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterable
@@ -87,19 +88,15 @@ def _atomic_write(obj: Any, path: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
-    try:  # make the rename itself durable
+    with contextlib.suppress(OSError):  # make the rename durable; some filesystems cannot fsync a directory
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError:  # pragma: no cover - e.g. filesystems without directory fsync
-        pass
 
 
 def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -3,7 +3,9 @@
 Each rank of the pipeline group runs its own worker's action list of the
 :class:`~fastpipe.schedule.Schedule` through the same :class:`StepRunner` as the local
 runtime; only the :class:`~fastpipe.runtime.transport.Transport` differs
-(:class:`~fastpipe.runtime.p2p.P2PTransport`). Every rank raises
+(:class:`~fastpipe.runtime.p2p.P2PTransport` on gloo,
+:class:`~fastpipe.runtime.p2p_ordered.OrderedTransport` on NCCL, which follows the round
+plan of :mod:`fastpipe.schedule.ordered`). Every rank raises
 :class:`~fastpipe.PipelineError` naming the rank and stage that failed first
 (see :mod:`fastpipe.runtime.watchdog` for how waits are bounded).
 """
@@ -119,7 +121,7 @@ class DistributedRuntime:
     def _record_wait(self, messages: Sequence[Message], since: float, until: float | None = None) -> None:
         """Show a wait for cross-rank values in the timeline, as the IR's RECV action of the first one."""
         until = time.perf_counter() if until is None else until
-        if self.recorder is None or not messages or until - since < _SHOWN_WAIT:
+        if self.recorder is None or not messages or until - since < _SHOWN_WAIT:  # tracing is off, or no wait
             return
         first = messages[0]
         self.recorder(self.rank, f"{first.stage}RECV_{first.kind}{first.microbatch}", since, until)
@@ -237,7 +239,8 @@ class DistributedRuntime:
                     if action is None:
                         assert isinstance(self.transport, OrderedTransport)
                         self.transport.post(step.ops)
-                        self._record_wait([op.message for op in step.ops if not op.send], called)
+                        if self.recorder is not None:
+                            self._record_wait([op.message for op in step.ops if not op.send], called)
                         continue
                     i += 1
                     start = handlers[action.kind](action)

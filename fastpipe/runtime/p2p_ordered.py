@@ -84,10 +84,7 @@ class OrderedTransport(P2PTransport):
             ops.append(dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g,
                                   group=self.data_group))
         for work in dist.batch_isend_irecv(ops):
-            if self.polls:
-                self.watchdog.poll(work, "the connection handshake", "a neighbour rank")
-            else:
-                self.watchdog.wait(work, "the connection handshake", "a neighbour rank")
+            self._wait(work, "the connection handshake", "a neighbour rank")
 
     # -- sending: the header now, the payload with the next batch -------------------------
 
@@ -156,11 +153,15 @@ class OrderedTransport(P2PTransport):
             raise PipelineError(f"fastpipe: {describe(*key)} was consumed before its receive was posted (a plan bug)")
         meta, buffers, works, peer = arrived
         for work in works:
-            if self.polls:
-                self.watchdog.poll(work, describe(*key), peer, max_pause=5e-5)  # the next action waits on it
-            else:
-                self.watchdog.wait(work, describe(*key), peer)
+            self._wait(work, describe(*key), peer)
         return meta, tensors_from(meta, buffers, self.data_device)
+
+    def _wait(self, work: Any, what: str, peer: str) -> None:
+        """Bounded wait on a payload work: NCCL's is polled (its wait() does not block the host)."""
+        if self.polls:
+            self.watchdog.poll(work, what, peer, max_pause=5e-5)  # an action waits on it: notice it soon
+        else:
+            self.watchdog.wait(work, what, peer)
 
     # -- step boundaries --------------------------------------------------------------------
 

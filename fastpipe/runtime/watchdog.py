@@ -8,6 +8,7 @@ they left; :func:`bounded_barrier` turns a rank that died before a collective in
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -81,11 +82,9 @@ class Watchdog:
     def publish(self, message: str) -> str:
         """Write ``message`` unless another rank failed first; returns the message that won."""
         if self.store is not None:
-            try:
+            with contextlib.suppress(Exception):  # the store is gone: nothing more to tell anyone
                 won = self.store.compare_set(self.key, "", message)
                 return won.decode() if isinstance(won, bytes) else str(won)
-            except Exception:  # noqa: BLE001 - nothing more to tell anyone
-                pass
         return message
 
     def fail(self, diagnosis: str) -> PipelineError:
@@ -94,10 +93,8 @@ class Watchdog:
             cause = self.published() or self.publish(diagnosis)
             self.failure = PipelineError(f"fastpipe: {cause}")
             if self.on_fail is not None:
-                try:
+                with contextlib.suppress(Exception):  # best effort: peers still have the store and timeouts
                     self.on_fail(cause)
-                except Exception:  # noqa: BLE001 - best effort: peers still have the store and timeouts
-                    pass
         return self.failure
 
     def check(self) -> None:

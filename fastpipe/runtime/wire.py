@@ -28,7 +28,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _nbytes(item: Any) -> int:
-    return int(torch.Size(item[1]).numel()) * torch.empty((), dtype=_dtype(item[2])).element_size()
+    return int(torch.Size(item[1]).numel()) * _dtype(item[2]).itemsize
 
 
 def pack(meta: list[Any]) -> Tensor:
