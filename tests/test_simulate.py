@@ -7,13 +7,28 @@ import pytest
 from fastpipe.schedule import ScheduleError, build, simulate
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("m", [1, 3, 8, 32])
-def test_unit_cost_makespan_and_bubble(name: str, k: int, m: int) -> None:
-    t = simulate(build(name, k, m), forward=1.0, backward=1.0, weight=1.0)  # F = 1, BW = 2
+def test_unit_cost_makespan_and_bubble(k: int, m: int) -> None:
+    t = simulate(build("1f1b", k, m), forward=1.0, backward=1.0, weight=1.0)  # F = 1, BW = 2
     assert t.makespan == pytest.approx(3 * (m + k - 1))
     assert t.bubble_fraction == pytest.approx((k - 1) / (m + k - 1))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize(("f", "b", "w"), [(1.0, 1.0, 1.0), (1.0, 0.8, 1.2), (2.0, 1.0, 1.0), (1.0, 1.0, 0.2)])
+def test_gpipe_drain_reaches_the_zero_bubble_bound(k: int, m: int, f: float, b: float, w: float) -> None:
+    """Splitting worker w's first w backwards leaves a bubble of (K-1)(F+B), not (K-1)(F+B+W)."""
+    from fastpipe.schedule.builders import _gpipe
+    from fastpipe.schedule.ir import Schedule
+
+    split = simulate(build("gpipe", k, m), forward=f, backward=b, weight=w)
+    assert split.makespan == pytest.approx((k - 1) * (f + b) + m * (f + b + w))
+    fused = Schedule("gpipe", k, m, k, tuple(tuple(a) for a in _gpipe(k, m, split_drain=False)))
+    fused.validate()
+    assert simulate(fused, forward=f, backward=b, weight=w).makespan == pytest.approx((m + k - 1) * (f + b + w))
+    assert split.peak_activations == [m] * k  # the deferred W's keep nothing alive past the drain's start
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -44,11 +59,12 @@ def test_peak_activations() -> None:
 def test_per_stage_costs_and_comm() -> None:
     s = build("gpipe", 2, 1)
     t = simulate(s, forward=[1.0, 2.0], backward=[1.0, 1.0], weight=[0.0, 1.0], comm=0.5)
-    # 0F0 [0,1] -> +0.5 -> 1F0 [1.5,3.5] -> 1BW0 [3.5,5.5] -> +0.5 -> 0BW0 [6,7]
-    assert t.makespan == pytest.approx(7.0)
+    # 0F0 [0,1] -> +0.5 -> 1F0 [1.5,3.5] -> 1B0 [3.5,4.5] -> +0.5 -> 0BW0 [5,6]; 1W0 [4.5,5.5]
+    assert t.makespan == pytest.approx(6.0)
     events = {e.action: (e.start, e.end) for e in t.events}
     assert events["1F0"] == pytest.approx((1.5, 3.5))
-    assert events["0BW0"] == pytest.approx((6.0, 7.0))
+    assert events["1W0"] == pytest.approx((4.5, 5.5))
+    assert events["0BW0"] == pytest.approx((5.0, 6.0))
     with pytest.raises(ScheduleError, match="forward has 3 entries; expected 2"):
         simulate(s, forward=[1.0, 1.0, 1.0])
 

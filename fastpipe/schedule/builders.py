@@ -66,11 +66,29 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
     return schedule
 
 
-def _gpipe(k: int, m: int) -> list[list[Action]]:
-    return [
-        [Action("F", w, i) for i in range(m)] + [Action("BW", w, i) for i in reversed(range(m))]
-        for w in range(k)
-    ]
+def _gpipe(k: int, m: int, split_drain: bool = True) -> list[list[Action]]:
+    """Fill-drain; worker ``w`` splits its first ``w`` backwards and runs their W last.
+
+    In a plain drain worker ``w - 1`` waits a whole ``BW`` of worker ``w`` before its first
+    backward; sending the input gradient after ``B`` alone cuts that wait to ``B``. Worker
+    ``w`` must then stay ahead of worker ``w - 1``, which needs ``w`` early ``B`` s (worker 1
+    one, worker 2 two, ...): the drain then takes (K-1)(F+B) + M(F+B+W), the zero-bubble
+    bound for this forward, with K(K-1)/2 splits in all. Worker 0 sends no gradient upstream
+    and keeps combined backwards. Deferred W's hold no more memory than the drain's start,
+    when every micro-batch's graph is alive::
+
+        w0:  F0 F1 F2 F3 .  .  .  BW3 BW2 BW1 BW0
+        w1:  .  F0 F1 F2 F3 .  B3 BW2 BW1 BW0 W3
+    """
+    workers = []
+    for w in range(k):
+        early = min(w, m) if split_drain else 0
+        drain = list(reversed(range(m)))
+        actions = [Action("F", w, i) for i in range(m)]
+        actions += [Action("B", w, i) for i in drain[:early]] + [Action("BW", w, i) for i in drain[early:]]
+        actions += [Action("W", w, i) for i in drain[:early]]
+        workers.append(actions)
+    return workers
 
 
 def _one_f_one_b(k: int, m: int) -> list[list[Action]]:

@@ -20,6 +20,10 @@ Dependencies (``->`` reads "needs")::
     B/BW(s, m)   -> F(s, m), B/BW(s+1, m)           (s < last)
     W(s, m)      -> B(s, m)
 
+Each (stage, micro-batch) has its backward either combined (``BW``) or split into ``B`` and
+``W``; a schedule may mix the two, e.g. split only where an upstream stage waits for the input
+gradient.
+
 With communication actions, a cross-worker edge ``F(s-1,m) -> F(s,m)`` becomes
 ``F(s-1,m) -> SEND_F(s-1,m) -> RECV_F(s,m) -> F(s,m)`` (and mirrored for the
 backward). Sends never block; a receive waits for its matching send.
@@ -103,8 +107,18 @@ class Schedule:
 
     @cached_property
     def split_backward(self) -> bool:
-        """True when the schedule uses B/W instead of BW."""
-        return any(a.kind in ("B", "W") for actions in self.workers for a in actions)
+        """True when the schedule splits at least one backward into B and W."""
+        return bool(self.split_pairs)
+
+    @cached_property
+    def split_pairs(self) -> frozenset[tuple[int, int]]:
+        """The ``(stage, micro-batch)`` pairs whose backward is split into B and W (the rest use BW)."""
+        return frozenset((a.stage, a.microbatch) for actions in self.workers for a in actions if a.kind == "B")
+
+    def backward_of(self, stage: int, microbatch: int) -> Action:
+        """The action that produces the input gradient of ``(stage, microbatch)``: its B or its BW."""
+        kind = "B" if (stage, microbatch) in self.split_pairs else "BW"
+        return Action(kind, stage, microbatch)
 
     @cached_property
     def has_communication(self) -> bool:
@@ -125,7 +139,6 @@ class Schedule:
         """The actions that must finish before ``action`` may start."""
         s, m, kind = action.stage, action.microbatch, action.kind
         comm = self.has_communication
-        bwd = "B" if self.split_backward else "BW"
         last = self.num_stages - 1
         if kind == "F":
             if s == 0:
@@ -139,7 +152,7 @@ class Schedule:
                 if comm and self.crosses(s, s + 1):
                     deps.append(Action("RECV_B", s, m))
                 else:
-                    deps.append(Action(bwd, s + 1, m))
+                    deps.append(self.backward_of(s + 1, m))
             return deps
         if kind == "W":
             return [Action("B", s, m)]
@@ -148,7 +161,7 @@ class Schedule:
         if kind == "RECV_F":
             return [Action("SEND_F", s - 1, m)]
         if kind == "SEND_B":
-            return [Action(bwd, s, m)]
+            return [self.backward_of(s, m)]
         return [Action("SEND_B", s + 1, m)]  # RECV_B
 
     def validate(self) -> None:
@@ -188,13 +201,15 @@ class Schedule:
         for action, n in counts.items():
             if n > 1:
                 raise ScheduleError(f"{action} appears {n} times; every action must run exactly once")
-        split = self.split_backward
-        if split and any(a.kind == "BW" for a in counts):
-            raise ScheduleError("schedule mixes BW with B/W; use either a combined or a split backward")
-        needed = ("F", "B", "W") if split else ("F", "BW")
         for s in range(self.num_stages):
             for m in range(self.num_microbatches):
-                for kind in needed:
+                split = Action("B", s, m) in counts or Action("W", s, m) in counts
+                if split and Action("BW", s, m) in counts:
+                    raise ScheduleError(
+                        f"stage {s}, micro-batch {m} has both {Action('BW', s, m)} and a split B/W; "
+                        "a backward is either combined or split"
+                    )
+                for kind in ("F", "B", "W") if split else ("F", "BW"):
                     if Action(kind, s, m) not in counts:
                         raise ScheduleError(f"missing action {Action(kind, s, m)} (stage {s}, micro-batch {m})")
         # Every dependency must exist (this covers RECV without its matching SEND and vice versa).
