@@ -32,6 +32,7 @@ from fastpipe.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
+from fastpipe.runtime.param_hooks import accumulate_grad
 from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
@@ -281,7 +282,7 @@ class DistributedPipe(nn.Module):
         for s, st in self._stages.items():
             for p, g in zip(st.params, outcome.param_grads[s]):
                 if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+                    accumulate_grad(p, g)
         return outcome.loss
 
     def close(self) -> None:

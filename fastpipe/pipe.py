@@ -24,6 +24,7 @@ from fastpipe.partition import (
 )
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.local import LocalRuntime, LossSpec, Stage, StepState
+from fastpipe.runtime.param_hooks import accumulate_grad
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for
@@ -308,7 +309,7 @@ class Pipe(nn.Module):
         for stage, stage_grads in zip(self._stages, grads):
             for p, g in zip(stage.params, stage_grads):
                 if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+                    accumulate_grad(p, g)
         with torch.no_grad():
             return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum()
 

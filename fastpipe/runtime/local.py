@@ -34,8 +34,10 @@ from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, task_seed
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.mailbox import Aborted
+from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.transport import LocalTransport, Transport
+from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
 from fastpipe.runtime.worker import CallerState, WorkerPool, recomputing
 from fastpipe.schedule import Action, Schedule
 
@@ -60,9 +62,11 @@ class Stage:
     device: torch.device
     clone_input: bool = False
     params: list[nn.Parameter] = field(init=False)
+    linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
 
 
 @dataclass
@@ -138,9 +142,13 @@ class StepRunner:
             flags = [self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(value)]
             self.transport.send_activation(0, m, value, flags)
 
-    def _run_module(self, s: int, m: int, inputs: Value) -> Value:
+    def _run_module(self, s: int, m: int, inputs: Value, grad: bool) -> Value:
         stage = self.stages[s]
-        out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        # Only a combined backward (BW) swaps the running sums into .grad, which the fused
+        # Linear backward writes; a split one (B/W) needs the weight gradient returned.
+        fuse = grad and stage.linears and (s, m) not in self.state.schedule.split_pairs
+        with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
+            out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
         _check_output(out, s)
         if s == self.last and self.loss is not None:
             loss = self.loss.fn(out, self.loss.targets[m])
@@ -160,7 +168,7 @@ class StepRunner:
         seed = task_seed(self.state.step_seed, s, m)
         keep_graph = self.grad and not self.checkpoint(m)
         with self.state.caller.enter(grad_enabled=keep_graph), TaskRNG(seed):
-            out = self._run_module(s, m, inputs)
+            out = self._run_module(s, m, inputs, keep_graph)
         if self.grad:
             self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, seed)
         if s == self.last:
@@ -195,7 +203,7 @@ class StepRunner:
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
             with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
-                task.outputs = self._run_module(s, m, task.inputs)
+                task.outputs = self._run_module(s, m, task.inputs, True)
         if s == self.last and self.loss is not None:
             loss = task.outputs
             assert isinstance(loss, Tensor)
@@ -239,7 +247,9 @@ class StepRunner:
             try:
                 for p, g in zip(params, acc):
                     p.grad = g
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=[*leaves, *params])
+                with hooks_set_aside(params):  # they see the step's sum (see param_hooks)
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
+                                            inputs=[*leaves, *params])
                 acc[:] = [p.grad for p in params]
             finally:
                 for p, g in zip(params, saved):
@@ -266,7 +276,8 @@ class StepRunner:
         started = time.perf_counter()
         task = self.state.tasks.pop((s, m))
         assert task.weight_work is not None, f"W before B for {action}"
-        self._accumulate(s, backward_weights(task.weight_work))
+        with hooks_set_aside(self.stages[s].params):
+            self._accumulate(s, backward_weights(task.weight_work))
         return started
 
 
