@@ -153,6 +153,13 @@ def main() -> None:
         "fastpipe [4,4] except_last": Pipe(make_model(), balance=[4, 4], chunks=m, checkpoint="except_last"),
         "fastpipe [8] never": Pipe(make_model(), balance=[8], chunks=m, checkpoint="never"),
     }
+    # The same without accumulating Linear weight gradients in the GEMM (runtime/wgrad.py),
+    # which plain gradient accumulation, and so T_mb, does not do: shows what pipelining
+    # alone achieves against the limit.
+    os.environ["FASTPIPE_FUSED_WGRAD"] = "0"
+    pipes["fastpipe [4,4] never, unfused"] = Pipe(make_model(), balance=[4, 4], chunks=m, checkpoint="never")
+    pipes["fastpipe [8] never, unfused"] = Pipe(make_model(), balance=[8], chunks=m, checkpoint="never")
+    del os.environ["FASTPIPE_FUSED_WGRAD"]
     for name, pipe in pipes.items():
         methods[name] = pipe_step(pipe, x, y)
     for sched in ("1f1b", "zb-h1"):
@@ -200,11 +207,13 @@ def main() -> None:
         pr = f"{paired[name]:8.2f}" if name in paired else f"{'-':>8s}"
         print(f"{name:34s} {t * 1e3:8.0f} {r:8.2f} {pr}")
     one_stage = med["fastpipe [8] never"] / t_mb
-    print(f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}")
+    unfused = med["fastpipe [8] never, unfused"] / t_mb
+    print(f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}; "
+          f"without fused weight-gradient accumulation: {unfused:.3f}")
     result = {
         "limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "median_s": med,
         "ratio_to_limit": {n: r for n, _, r in rows}, "paired_ratio_to_limit": paired,
-        "one_stage_overhead": one_stage,
+        "one_stage_overhead": one_stage, "one_stage_overhead_unfused": unfused,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

@@ -2,11 +2,11 @@
 
 Part 1 (measured, CPU): the foundation workload (8 residual MLP blocks 512/2048, batch
 256, 8 micro-batches) runs ``Pipe.train_step`` under each schedule on 2 CPU workers, 1
-intra-op thread each. Per-action costs (F, B, W per stage) come from a profile: traced
-steps of the same pipe. ``fastpipe.schedule.simulate`` predicts each schedule's step from
-those costs; the table gives measured / simulated, and measured / the physical limit
-T_mb/K × (M+K−1)/M with T_mb the 1-thread gradient accumulation over the same 8
-micro-batches, measured in the same run.
+intra-op thread each. Per-action costs (F and combined BW per stage from GPipe steps, B
+and W from ZB-H1 steps) come from a profile: traced steps of the same pipes.
+``fastpipe.schedule.simulate`` predicts each schedule's step from those costs; the table
+gives measured / simulated, and measured / the physical limit T_mb/K × (M+K−1)/M with T_mb
+the 1-thread gradient accumulation over the same 8 micro-batches, measured in the same run.
 
 Part 2 (predicted): speed-up over one device for K = 4 and 8 at M = 32, with per-layer
 costs profiled from the workload's block (micro-batch of 32 rows, 1 thread), 8·K blocks,
@@ -85,29 +85,31 @@ def measured_part(rounds: int) -> dict:
     for name, v in SCHEDULES:
         step(name, v)
     times: dict[str, list[float]] = defaultdict(list)
+    traces: dict[str, list[Timeline]] = defaultdict(list)
     from tqdm import tqdm
 
+    # Every timed step is traced (a callback per action, well under 1%), so the profile
+    # comes from the same steps as the times and machine drift cannot come between them.
     for _ in tqdm(range(rounds), desc="rounds", file=sys.stderr):
         t0 = time.perf_counter()
         t_mb_step()
         times["T_mb"].append(time.perf_counter() - t0)
         for name, v in SCHEDULES:
             t0 = time.perf_counter()
-            step(name, v)
+            step(name, v, trace=True)
             times[name].append(time.perf_counter() - t0)
+            traces[name].append(pipes[name].last_timeline)  # type: ignore[arg-type]
     t_mb = statistics.median(times["T_mb"])
     limit = t_mb / k * (m + k - 1) / m
 
-    # The profile: costs per action from traced steps (gpipe for F, zb-h1 for B and W).
+    # The profile: costs per action (gpipe for F and BW, zb-h1 for B and W: a combined
+    # backward is cheaper than B + W, see RESULTS.md).
     profiles = {}
-    for name, v in SCHEDULES:
-        runs = []
-        for _ in range(3):
-            step(name, v, trace=True)
-            runs.append(pipes[name].last_timeline)
+    for name, _ in SCHEDULES:
+        runs = traces[name]
         merged = Timeline(runs[0].num_workers, [e for t in runs for e in t.events])
         profiles[name] = action_costs(merged, len(pipes[name].balance))
-    f2, split = profiles["gpipe"]["F"], profiles["zb-h1"]
+    f2, bw2, split = profiles["gpipe"]["F"], profiles["gpipe"]["BW"], profiles["zb-h1"]
     rows = []
     for name, v in SCHEDULES:
         if name == "interleaved":
@@ -115,7 +117,8 @@ def measured_part(rounds: int) -> dict:
             sim = simulate(build(name, stages=k, microbatches=m, virtual_stages=v), forward=costs["F"],
                            backward=costs["BW"], weight=0.0)
         else:
-            sim = simulate(build(name, stages=k, microbatches=m), forward=f2, backward=split["B"], weight=split["W"])
+            sim = simulate(build(name, stages=k, microbatches=m), forward=f2, backward=split["B"], weight=split["W"],
+                           combined=bw2)
         measured = statistics.median(times[name])
         rows.append({"schedule": name, "measured_s": measured, "simulated_s": sim.makespan,
                      "measured_over_simulated": measured / sim.makespan, "measured_over_limit": measured / limit,

@@ -69,6 +69,16 @@ def test_per_stage_costs_and_comm() -> None:
         simulate(s, forward=[1.0, 1.0, 1.0])
 
 
+def test_combined_backward_can_cost_other_than_b_plus_w() -> None:
+    s = build("1f1b", 2, 4)
+    default = simulate(s, forward=1.0, backward=1.0, weight=1.0)
+    assert simulate(s, forward=1.0, backward=1.0, weight=1.0, combined=2.0).makespan == default.makespan
+    cheaper = simulate(s, forward=1.0, backward=5.0, weight=5.0, combined=[1.5, 1.5])
+    assert cheaper.makespan == pytest.approx(2.5 * (4 + 1))
+    with pytest.raises(ScheduleError, match="combined has 3 entries"):
+        simulate(s, combined=[1.0, 1.0, 1.0])
+
+
 def test_split_backward_costs() -> None:
     t = simulate(build("zb-h1", 1, 2), forward=1.0, backward=2.0, weight=3.0)
     assert t.makespan == pytest.approx(2 * (1 + 2 + 3))

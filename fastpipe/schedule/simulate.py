@@ -33,6 +33,7 @@ def simulate_times(
     backward: Cost = 1.0,
     weight: Cost = 1.0,
     comm: Cost = 0.0,
+    combined: Cost | None = None,
 ) -> dict[Action, tuple[int, float, float]]:
     """Simulates ``schedule`` and returns ``{action: (worker, start, end)}``.
 
@@ -46,7 +47,8 @@ def simulate_times(
     bwd = _per_stage(backward, n, "backward")
     wgt = _per_stage(weight, n, "weight")
     link = _per_stage(comm, max(n - 1, 0), "comm (one per stage boundary)")
-    cost = {"F": fwd, "B": bwd, "W": wgt, "BW": [b + w for b, w in zip(bwd, wgt)]}
+    both = [b + w for b, w in zip(bwd, wgt)] if combined is None else _per_stage(combined, n, "combined")
+    cost = {"F": fwd, "B": bwd, "W": wgt, "BW": both}
 
     def delay(dep: Action, action: Action, dep_worker: int, worker: int) -> float:
         if dep_worker == worker or action.kind in ("SEND_F", "SEND_B"):
@@ -94,22 +96,26 @@ def simulate(
     backward: Cost = 1.0,
     weight: Cost = 1.0,
     comm: Cost = 0.0,
+    combined: Cost | None = None,
 ) -> Timeline:
     """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.Timeline`.
 
     Args:
         schedule: the schedule to run.
         forward: cost of ``F``, a scalar or one value per stage.
-        backward: cost of ``B`` (input grad), scalar or per stage. ``BW`` costs ``backward + weight``.
+        backward: cost of ``B`` (input grad), scalar or per stage.
         weight: cost of ``W`` (weight grad), scalar or per stage.
         comm: delay between a producer and a consumer on different workers (activation or gradient), a
             scalar or one value per stage boundary (``num_stages - 1`` entries; entry ``i`` is the link
             between stages ``i`` and ``i + 1``).
+        combined: cost of ``BW``, scalar or per stage; default ``backward + weight``. A
+            measured combined backward can differ from B + W: the split walks the graph,
+            and only a combined one sums Linear weight gradients in the GEMM.
 
     Returns:
         The timeline, in the same units as the costs.
     """
-    times = simulate_times(schedule, forward, backward, weight, comm)
+    times = simulate_times(schedule, forward, backward, weight, comm, combined)
     timeline = Timeline(schedule.num_workers)
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
