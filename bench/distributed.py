@@ -11,7 +11,10 @@ MLP blocks 512/2048, batch 256, 8 micro-batches, split [4, 4]) with:
 and every figure is a ratio to the limit T_mb/2 × 9/8, where T_mb is one thread doing the
 same 8 micro-batches one after another (gradient accumulation), measured in the same run
 (between the distributed runs; the median of all its rounds). Each distributed
-step is timed between two barriers on rank 0; the median over rounds is reported.
+step is timed between two barriers on rank 0; the median over rounds is reported. Column
+``paired``: before every step rank 0 also times T_mb while the other rank waits, and the
+median over steps of each step over its own limit is reported, which cancels the drift
+between separately timed phases.
 
 Usage::
 
@@ -35,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import LOSS, _pippy_worker, accumulation_step  # noqa: E402
+from e2e import LOSS, _pippy_worker, accumulation_step, timed_rounds  # noqa: E402
 from report import write_json  # noqa: E402
 from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
 
@@ -44,7 +47,8 @@ from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
 K = 2
 
 
-def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: int, out: str) -> None:
+def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: int, out: str,
+                     paired: bool = True) -> None:
     from fastpipe.distributed_pipe import DistributedPipe
 
     torch.set_num_threads(1)
@@ -55,31 +59,27 @@ def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: in
     dist.init_process_group("gloo", rank=rank, world_size=K)
     pipe = DistributedPipe(make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never")
     x, y = make_batch()
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         pipe.zero_grad(set_to_none=True)
         pipe.train_step(x if rank == 0 else None, y if rank == K - 1 else None, LOSS)
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+
+    timed_rounds(rank, step, warmup, steps, out, paired)
     pipe.close()
     dist.destroy_process_group()
 
 
-def _spawn(worker: object, name: str, warmup: int, steps: int) -> list[float]:
+def _spawn(worker: object, name: str, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """Step times, and T_mb timed on rank 0 just before each step."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         port = store.port  # a free port; released just before the ranks bind it
         del store
-        mp.start_processes(worker, args=(name, warmup, steps, port, out), nprocs=K, start_method="spawn")
+        mp.start_processes(worker, args=(name, warmup, steps, port, out, True), nprocs=K, start_method="spawn")
         with open(out) as f:
-            return list(json.load(f))
+            result = json.load(f)
+        return list(result["steps"]), list(result["t_mb"])
 
 
 def _t_mb(rounds: int) -> list[float]:
@@ -117,29 +117,35 @@ def main() -> None:
     if not args.skip_pipelining:
         runs += [(f"pipelining {s} (2 gloo ranks)", _pippy_worker, s) for s in ("1f1b", "gpipe")]
     times: dict[str, list[float]] = {}
+    paired: dict[str, list[float]] = {}
+    scale = (CHUNKS + K - 1) / (CHUNKS * K)
     t_mb_times: list[float] = []
     for _ in range(args.repeats):  # T_mb is measured between the runs, so it sees the same load
         for name, worker, sched in runs:
             t_mb_times += _t_mb(max(1, args.rounds // 2))
             try:
-                times.setdefault(name, []).extend(_spawn(worker, sched, args.warmup, args.rounds))
+                steps, t_mbs = _spawn(worker, sched, args.warmup, args.rounds)
             except Exception as exc:  # noqa: BLE001 - report and go on without it
                 print(f"{name} failed: {exc}", file=sys.stderr)
+                continue
+            times.setdefault(name, []).extend(steps)
+            paired.setdefault(name, []).extend(t / (tm * scale) for t, tm in zip(steps, t_mbs))
     t_mb_times += _t_mb(max(1, args.rounds // 2))
     load_after = os.getloadavg()
 
     t_mb = statistics.median(t_mb_times)
-    limit = t_mb / K * (CHUNKS + K - 1) / CHUNKS
+    limit = t_mb * scale
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    paired_med = {name: statistics.median(rs) for name, rs in paired.items()}
     print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {CHUNKS} micro-batches, {K} gloo ranks x "
           f"1 thread; median of {args.repeats} x {args.rounds} steps; load average {load_before[0]:.2f} -> "
           f"{load_after[0]:.2f}")
     print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
-    print(f"{'method':40s} {'ms':>8s} {'x limit':>8s}")
+    print(f"{'method':40s} {'ms':>8s} {'x limit':>8s} {'paired':>8s}")
     for name, t in med.items():
-        print(f"{name:40s} {t * 1e3:8.0f} {t / limit:8.2f}")
+        print(f"{name:40s} {t * 1e3:8.0f} {t / limit:8.2f} {paired_med[name]:8.2f}")
     result = {"limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "repeats": args.repeats, "median_s": med,
-              "ratio_to_limit": {n: t / limit for n, t in med.items()},
+              "ratio_to_limit": {n: t / limit for n, t in med.items()}, "paired_ratio_to_limit": paired_med,
               "load_average": {"before": load_before, "after": load_after}}
     print(json.dumps(result))
     write_json(result, args.json)

@@ -81,7 +81,48 @@ def train_step(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, schedule: str) -> C
     return step
 
 
-def _pippy_worker(rank: int, schedule_name: str, warmup: int, steps: int, port: int, out: str) -> None:
+def timed_rounds(rank: int, step: Callable[[], None], warmup: int, steps: int, out: str,
+                 paired: bool = False) -> None:
+    """Time ``step`` between barriers on every rank; rank 0 writes ``{"steps", "t_mb"}`` to ``out``.
+
+    With ``paired``, rank 0 also times T_mb (the 1-thread gradient accumulation) before each
+    step while the other ranks wait, so every step has a limit measured moments before it:
+    this VM's drift between separately timed phases is larger than the gaps measured.
+    """
+    import torch.distributed as dist
+
+    if paired:
+        # T_mb under the same allocator settings everywhere: fastpipe's ranks have them, and
+        # torch.distributed.pipelining's ranks get them too rather than a limit inflated by
+        # page faults (see fastpipe.runtime.host_alloc).
+        from fastpipe.runtime.host_alloc import tune_host_allocator
+
+        tune_host_allocator()
+    t_mb_step = accumulation_step(make_model(), *make_batch(), CHUNKS) if paired and rank == 0 else None
+    times, t_mbs = [], []
+    for i in range(warmup + steps):
+        dist.barrier()
+        if t_mb_step is not None:
+            t0 = time.perf_counter()
+            t_mb_step()
+            t_mb = time.perf_counter() - t0
+            dist.barrier()
+        elif paired:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            if t_mb_step is not None:
+                t_mbs.append(t_mb)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"steps": times, "t_mb": t_mbs}, f)
+
+
+def _pippy_worker(rank: int, schedule_name: str, warmup: int, steps: int, port: int, out: str,
+                  paired: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -95,21 +136,15 @@ def _pippy_worker(rank: int, schedule_name: str, warmup: int, steps: int, port: 
     stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
     cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
     sched = cls(stage, n_microbatches=CHUNKS, loss_fn=LOSS)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         part.zero_grad(set_to_none=True)
         if rank == 0:
             sched.step(x)
         else:
             sched.step(target=y, losses=[])
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+
+    timed_rounds(rank, step, warmup, steps, out, paired)
     dist.destroy_process_group()
 
 
@@ -125,7 +160,7 @@ def pippy_times(schedule_name: str, warmup: int, steps: int) -> list[float]:
         mp.start_processes(_pippy_worker, args=(schedule_name, warmup, steps, port, out), nprocs=2,
                            start_method="spawn")
         with open(out) as f:
-            return json.load(f)
+            return list(json.load(f)["steps"])
 
 
 def main() -> None:
