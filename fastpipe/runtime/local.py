@@ -247,7 +247,10 @@ class StepRunner:
             try:
                 for p, g in zip(params, acc):
                     p.grad = g
-                with hooks_set_aside(params):  # they see the step's sum (see param_hooks)
+                # Linears stay routed as in this micro-batch's forward, so that a recompute
+                # inside the backward (torch.utils.checkpoint in the model) saves what the
+                # forward saved; hooks see the step's sum (see param_hooks).
+                with accumulating_linears(self.stages[s].linears), hooks_set_aside(params):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
                                             inputs=[*leaves, *params])
                 acc[:] = [p.grad for p in params]
