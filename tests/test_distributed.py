@@ -89,6 +89,35 @@ def test_losses_and_grads_equal_one_process_for_every_schedule(world: int, trans
         assert problems == [], f"rank {rank}: {problems}"
 
 
+def _hooked(rank: int, world: int, transport: str) -> list[str]:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    def hook(model: nn.Sequential, calls: list[str]) -> None:
+        for i, block in enumerate(model):
+            block[0].weight.register_hook(lambda g, i=i: calls.append(f"{i}") or g * 2)
+
+    plain, plain_calls = make_model(), []
+    hook(plain, plain_calls)
+    model, calls = make_model(), []
+    hook(model, calls)
+    pipe = DistributedPipe(model, [4, 4], chunks=4, schedule="1f1b", timeout=20)
+    x, y = make_batch(0, 8)
+    pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+    nn.MSELoss()(plain(x), y).backward()
+    problems = [] if sorted(calls) == [str(i) for i in range(4 * rank, 4 * rank + 4)] else [f"hook calls {calls}"]
+    ref = dict(plain.named_parameters())
+    for n, p in pipe.named_parameters():
+        if p.grad is None or not torch.allclose(p.grad, ref[n].grad, rtol=1e-4, atol=1e-6):
+            problems.append(f"grad of {n} differs from the plain Sequential with the same hooks")
+    pipe.close()
+    return problems
+
+
+def test_parameter_hooks_run_once_on_the_step_gradient(transport: str) -> None:
+    for rank, problems in enumerate(check_ok(run_ranks(_hooked, 2, transport, timeout=60))):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
 class ToTuple(nn.Module):
     """Makes the value crossing the stage boundary a tuple with non-tensor items."""
 
