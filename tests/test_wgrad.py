@@ -152,3 +152,32 @@ def test_torch_checkpoint_inside_a_stage(path: str, reentrant: bool) -> None:
     step()
     for p, q in zip(pipe.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7)])
+def test_accumulating_linear_on_gpu_matches_autograd(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(7, 4).double().cuda()
+    xs = [torch.randn(*shape, dtype=torch.float64, device="cuda") for _ in range(3)]
+    ref_w, ref_x = _accumulate(lin, xs, fused=False)
+    got_w, got_x = _accumulate(lin, xs, fused=True)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_x, ref_x):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_pipe_on_gpu_fused_equals_unfused_and_autocast_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = torch.randn(16, 6, device="cuda"), torch.randn(16, 3, device="cuda")
+    for autocast in (False, True):
+        grads = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("FASTPIPE_FUSED_WGRAD", flag)
+            pipe = Pipe(_mlp(), balance=[3, 4], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint="never")
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = pipe(x)
+            nn.functional.mse_loss(out.float(), y).backward()
+            grads.append([p.grad.clone() for p in pipe.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-2 if autocast else 1e-5, atol=1e-3 if autocast else 1e-6)
