@@ -32,7 +32,7 @@ from fastpipe.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
-from fastpipe.runtime.param_hooks import accumulate_grad
+from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
@@ -280,9 +280,7 @@ class DistributedPipe(nn.Module):
                                     "steps)")
             return outcome.loss
         for s, st in self._stages.items():
-            for p, g in zip(st.params, outcome.param_grads[s]):
-                if g is not None:
-                    accumulate_grad(p, g)
+            accumulate_grads(st.params, outcome.param_grads[s])
         return outcome.loss
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from fastpipe.partition import (
 )
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.local import LocalRuntime, LossSpec, Stage, StepState
-from fastpipe.runtime.param_hooks import accumulate_grad
+from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for
@@ -307,9 +307,7 @@ class Pipe(nn.Module):
         )
         self._after_forward()
         for stage, stage_grads in zip(self._stages, grads):
-            for p, g in zip(stage.params, stage_grads):
-                if g is not None:
-                    accumulate_grad(p, g)
+            accumulate_grads(stage.params, stage_grads)
         with torch.no_grad():
             return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum()
 

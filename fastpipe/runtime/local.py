@@ -142,11 +142,11 @@ class StepRunner:
             flags = [self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(value)]
             self.transport.send_activation(0, m, value, flags)
 
-    def _run_module(self, s: int, m: int, inputs: Value, grad: bool) -> Value:
+    def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         stage = self.stages[s]
         # Only a combined backward (BW) swaps the running sums into .grad, which the fused
         # Linear backward writes; a split one (B/W) needs the weight gradient returned.
-        fuse = grad and stage.linears and (s, m) not in self.state.schedule.split_pairs
+        fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
         with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
             out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
         _check_output(out, s)
@@ -168,7 +168,7 @@ class StepRunner:
         seed = task_seed(self.state.step_seed, s, m)
         keep_graph = self.grad and not self.checkpoint(m)
         with self.state.caller.enter(grad_enabled=keep_graph), TaskRNG(seed):
-            out = self._run_module(s, m, inputs, keep_graph)
+            out = self._run_module(s, m, inputs)
         if self.grad:
             self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, seed)
         if s == self.last:
@@ -203,7 +203,7 @@ class StepRunner:
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
             with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
-                task.outputs = self._run_module(s, m, task.inputs, True)
+                task.outputs = self._run_module(s, m, task.inputs)
         if s == self.last and self.loss is not None:
             loss = task.outputs
             assert isinstance(loss, Tensor)

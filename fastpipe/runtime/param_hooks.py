@@ -6,7 +6,7 @@ every micro-batch's share and, on ``Pipe.forward``'s path, once more when the pi
 autograd node hands the summed gradient to the parameter: a hook that scales its gradient
 by 2 scaled the result by 4. The stage backwards therefore run with the hooks set aside
 (:func:`hooks_set_aside`), and the summed gradient passes through them once: by autograd
-on ``Pipe.forward``'s path, by :func:`accumulate_grad` after ``train_step``.
+on ``Pipe.forward``'s path, by :func:`accumulate_grads` after ``train_step``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["accumulate_grad", "hooks_set_aside"]
+__all__ = ["accumulate_grad", "accumulate_grads", "hooks_set_aside"]
 
 
 def _hook_dicts(p: Tensor) -> list[dict]:
@@ -54,3 +54,10 @@ def accumulate_grad(p: Tensor, grad: Tensor) -> None:
         p.grad = grad if p.grad is None else p.grad.add_(grad)
     for post in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
         post(p)
+
+
+def accumulate_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """:func:`accumulate_grad` for each parameter that has a gradient (None: unused this step)."""
+    for p, g in zip(params, grads):
+        if g is not None:
+            accumulate_grad(p, g)

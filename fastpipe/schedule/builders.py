@@ -80,10 +80,10 @@ def _gpipe(k: int, m: int, split_drain: bool = True) -> list[list[Action]]:
         w0:  F0 F1 F2 F3 .  .  .  BW3 BW2 BW1 BW0
         w1:  .  F0 F1 F2 F3 .  B3 BW2 BW1 BW0 W3
     """
+    drain = list(reversed(range(m)))
     workers = []
     for w in range(k):
         early = min(w, m) if split_drain else 0
-        drain = list(reversed(range(m)))
         actions = [Action("F", w, i) for i in range(m)]
         actions += [Action("B", w, i) for i in drain[:early]] + [Action("BW", w, i) for i in drain[early:]]
         actions += [Action("W", w, i) for i in drain[:early]]
