@@ -173,16 +173,20 @@ def test_forward_is_refused_with_a_hint() -> None:
         assert message.startswith("PipelineError") and "train_step" in message
 
 
-def _mismatched(rank: int, world: int) -> dict:
+def _refusal(world: int, **kwargs: object) -> dict:
+    """Build a DistributedPipe expected to be refused: its message and how long that took."""
     from fastpipe.distributed_pipe import DistributedPipe
 
     start = time.monotonic()
     try:
-        DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=4 if rank == 0 else 2,
-                        schedule="1f1b", timeout=BOUND)
+        DistributedPipe(make_model(-1, "none", 0, world), [2] * world, timeout=BOUND, **kwargs)
     except ValueError as exc:
         return {"message": str(exc), "elapsed": time.monotonic() - start}
     return {"message": "no error"}
+
+
+def _mismatched(rank: int, world: int) -> dict:
+    return _refusal(world, chunks=4 if rank == 0 else 2, schedule="1f1b")
 
 
 def test_ranks_built_with_different_settings_are_refused_at_once() -> None:
@@ -193,15 +197,8 @@ def test_ranks_built_with_different_settings_are_refused_at_once() -> None:
 
 
 def _transport_differs(rank: int, world: int) -> dict:
-    from fastpipe.distributed_pipe import DistributedPipe
-
     os.environ["FASTPIPE_P2P"] = "ordered" if rank == 1 else "tags"
-    start = time.monotonic()
-    try:
-        DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=2, timeout=BOUND)
-    except ValueError as exc:
-        return {"message": str(exc), "elapsed": time.monotonic() - start}
-    return {"message": "no error"}
+    return _refusal(world, chunks=2)
 
 
 def test_ranks_with_different_transports_are_refused_at_once() -> None:

@@ -18,6 +18,17 @@ def live_tensors():
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
+def assert_no_growth(step, warmup: int, steps: int) -> None:
+    """After ``warmup`` steps, ``steps`` more leave no more live tensors or threads."""
+    for _ in range(warmup):
+        step()
+    tensors, threads = live_tensors(), threading.active_count()
+    for _ in range(steps):
+        step()
+    assert live_tensors() <= tensors
+    assert threading.active_count() == threads
+
+
 def test_no_growth_over_200_steps():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8))
@@ -30,13 +41,7 @@ def test_no_growth_over_200_steps():
         nn.functional.mse_loss(pipe(x), y).backward()
         opt.step()
 
-    for _ in range(10):
-        step()
-    tensors, threads = live_tensors(), threading.active_count()
-    for _ in range(200):
-        step()
-    assert live_tensors() <= tensors
-    assert threading.active_count() == threads
+    assert_no_growth(step, warmup=10, steps=200)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -53,13 +58,7 @@ def test_train_step_frees_every_graph(schedule):
         pipe.train_step(x, y, nn.MSELoss(), schedule=schedule)
         opt.step()
 
-    for _ in range(5):
-        step()
-    tensors, threads = live_tensors(), threading.active_count()
-    for _ in range(100):
-        step()
-    assert live_tensors() <= tensors
-    assert threading.active_count() == threads
+    assert_no_growth(step, warmup=5, steps=100)
 
 
 def test_backward_hands_gradients_to_autograd_without_a_copy():
