@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -310,6 +310,49 @@ class Pipe(nn.Module):
             accumulate_grads(stage.params, stage_grads)
         with torch.no_grad():
             return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum()
+
+    def fit(
+        self,
+        batches: Iterable[tuple[Value, Any]],
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        consistency: str = "predict",
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        window: int = 8,
+        trace: bool | None = None,
+    ) -> Any:
+        """Train on ``batches`` of ``(input, target)``; each stage steps ``optimizer`` itself.
+
+        Returns an iterator of per-mini-batch losses (a :class:`fastpipe.asynchronous.FitRun`)::
+
+            for loss in tqdm(pipe.fit(loader, nn.CrossEntropyLoss(), opt, consistency="predict")):
+                ...
+
+        Mini-batches stream through a 1F1B pipeline without a flush between them (XPipe),
+        ``window`` at a time; the pipeline drains between windows, which is where
+        :func:`fastpipe.save` captures an exact resume point (``run.steps % window == 0``).
+
+        Args:
+            batches: an iterable of ``(input, target)``, e.g. a DataLoader.
+            loss_fn: as for :meth:`train_step` (mean- or sum-reduced).
+            optimizer: one optimizer over the pipe's parameters; stage s steps it with only
+                its own gradients, right after its last backward of each mini-batch.
+            consistency: ``"sync"`` (flush every mini-batch: equals ``train_step`` then
+                ``optimizer.step()``), ``"stale"``, ``"stash"`` or ``"predict"`` (see
+                :mod:`fastpipe.asynchronous`).
+            scheduler: an ``LRScheduler`` of ``optimizer``, stepped once per mini-batch; every
+                stage's update of mini-batch n uses the n-th learning rate.
+            max_grad_norm: clip each *stage's* gradient norm to this (per stage, not global:
+                stages update at different times).
+            window: mini-batches between drains.
+            trace: record each window's timeline in ``last_timeline``.
+        """
+        from fastpipe.asynchronous.fit import fit
+
+        return fit(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                   max_grad_norm=max_grad_norm, window=window, trace=trace)
 
     def _start_timeline(self, enabled: bool, workers: int) -> None:
         timeline = Timeline(workers) if enabled else None

@@ -22,9 +22,9 @@ from typing import Any
 
 __all__ = ["Timeline", "TimelineEvent"]
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)$")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "U": "#222222"}
 _COMM_COLOUR = "#bbbbbb"
 
 

@@ -13,12 +13,16 @@ Text form of an action (as in ``torch.distributed.pipelining``)::
     2RECV_F3   stage 2 receives the input of 2F3 from stage 1
     2SEND_B3   stage 2 sends the input grad of its backward to stage 1
     1RECV_B3   stage 1 receives the output grad of its backward from stage 2
+    0U1        stage 0 applies its weight update for mini-batch 1 (asynchronous streams only:
+               there the number is a mini-batch, not a micro-batch; see schedule.stream)
 
 Dependencies (``->`` reads "needs")::
 
     F(s, m)      -> F(s-1, m)                       (s > 0)
     B/BW(s, m)   -> F(s, m), B/BW(s+1, m)           (s < last)
     W(s, m)      -> B(s, m)
+    U(s, n)      -> the backward (BW or W) of every micro-batch of mini-batch n on stage s, U(s, n-1)
+    F(s, m)      -> U(s, n-1)                       (flushed streams only; m in mini-batch n)
 
 Each (stage, micro-batch) has its backward either combined (``BW``) or split into ``B`` and
 ``W``; a schedule may mix the two, e.g. split only where an upstream stage waits for the input
@@ -31,6 +35,7 @@ backward). Sends never block; a receive waits for its matching send.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -40,10 +45,10 @@ from typing import Literal
 
 __all__ = ["Action", "ActionKind", "COMPUTE_KINDS", "COMM_KINDS", "Schedule", "ScheduleError"]
 
-ActionKind = Literal["F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-COMPUTE_KINDS = ("F", "B", "W", "BW")
+ActionKind = Literal["F", "B", "W", "BW", "U", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+COMPUTE_KINDS = ("F", "B", "W", "BW", "U")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)\s*$")
 
 
 class ScheduleError(ValueError):
@@ -93,6 +98,12 @@ class Schedule:
         num_microbatches: micro-batches per step.
         num_workers: physical pipeline ranks/devices.
         workers: per worker, its actions in execution order.
+        minibatch_size: micro-batches per weight update in a stream of mini-batches (the
+            schedule then holds ``U`` actions; micro-batch ``m`` belongs to mini-batch
+            ``m // minibatch_size``); 0 for a one-step schedule without updates.
+        flush: in a stream, whether each stage's forwards of mini-batch ``n + 1`` wait for its
+            update of mini-batch ``n`` (synchronous training); False lets them run on older
+            weights (asynchronous).
     """
 
     name: str
@@ -100,6 +111,13 @@ class Schedule:
     num_microbatches: int
     num_workers: int
     workers: tuple[tuple[Action, ...], ...]
+    minibatch_size: int = 0
+    flush: bool = True
+
+    @property
+    def num_minibatches(self) -> int:
+        """Mini-batches (weight updates per stage) of a stream; 0 for a one-step schedule."""
+        return self.num_microbatches // self.minibatch_size if self.minibatch_size else 0
 
     def worker_of(self, stage: int) -> int:
         """The worker that holds ``stage`` (interleaved: worker w holds w, w+K, w+2K, ...)."""
@@ -140,12 +158,21 @@ class Schedule:
         s, m, kind = action.stage, action.microbatch, action.kind
         comm = self.has_communication
         last = self.num_stages - 1
+        if kind == "U":
+            size = self.minibatch_size
+            done = [Action("W" if (s, i) in self.split_pairs else "BW", s, i)
+                    for i in range(m * size, (m + 1) * size)]
+            return done + ([Action("U", s, m - 1)] if m > 0 else [])
         if kind == "F":
+            flushed = (
+                [Action("U", s, m // self.minibatch_size - 1)]
+                if self.minibatch_size and self.flush and m >= self.minibatch_size else []
+            )
             if s == 0:
-                return []
+                return flushed
             if comm and self.crosses(s - 1, s):
-                return [Action("RECV_F", s, m)]
-            return [Action("F", s - 1, m)]
+                return [Action("RECV_F", s, m), *flushed]
+            return [Action("F", s - 1, m), *flushed]
         if kind in ("B", "BW"):
             deps = [Action("F", s, m)]
             if s < last:
@@ -176,6 +203,10 @@ class Schedule:
             raise ScheduleError(
                 f"num_stages ({self.num_stages}) must be a multiple of num_workers ({self.num_workers})"
             )
+        if self.minibatch_size < 0 or (self.minibatch_size and self.num_microbatches % self.minibatch_size):
+            raise ScheduleError(
+                f"minibatch_size ({self.minibatch_size}) must divide num_microbatches ({self.num_microbatches})"
+            )
         if len(self.workers) != self.num_workers:
             raise ScheduleError(f"{len(self.workers)} worker lists for num_workers={self.num_workers}")
         self._check_placement()
@@ -186,7 +217,16 @@ class Schedule:
         for worker, action in self.actions():
             if not 0 <= action.stage < self.num_stages:
                 raise ScheduleError(f"{action} on worker {worker}: stage out of range 0..{self.num_stages - 1}")
-            if not 0 <= action.microbatch < self.num_microbatches:
+            if action.kind == "U":
+                if not self.minibatch_size:
+                    raise ScheduleError(
+                        f"{action} on worker {worker}: update actions need a stream (minibatch_size > 0)"
+                    )
+                if not 0 <= action.microbatch < self.num_minibatches:
+                    raise ScheduleError(
+                        f"{action} on worker {worker}: mini-batch out of range 0..{self.num_minibatches - 1}"
+                    )
+            elif not 0 <= action.microbatch < self.num_microbatches:
                 raise ScheduleError(
                     f"{action} on worker {worker}: micro-batch out of range 0..{self.num_microbatches - 1}"
                 )
@@ -212,6 +252,9 @@ class Schedule:
                 for kind in ("F", "B", "W") if split else ("F", "BW"):
                     if Action(kind, s, m) not in counts:
                         raise ScheduleError(f"missing action {Action(kind, s, m)} (stage {s}, micro-batch {m})")
+            for n in range(self.num_minibatches):
+                if Action("U", s, n) not in counts:
+                    raise ScheduleError(f"missing update {Action('U', s, n)} (stage {s}, mini-batch {n})")
         # Every dependency must exist (this covers RECV without its matching SEND and vice versa).
         for _, action in self.actions():
             for dep in self.dependencies(action):
@@ -254,7 +297,7 @@ class Schedule:
     def without_communication(self) -> Schedule:
         """The same schedule with every SEND/RECV action removed."""
         workers = tuple(tuple(a for a in actions if not a.is_comm) for actions in self.workers)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_workers, workers)
+        return dataclasses.replace(self, workers=workers)
 
     def with_communication(self) -> Schedule:
         """Lowers cross-worker edges to SEND/RECV actions.
@@ -279,7 +322,7 @@ class Schedule:
                 if a.kind in ("B", "BW") and s > 0 and base.crosses(s - 1, s):
                     out.append(Action("SEND_B", s, m))
             workers.append(tuple(out))
-        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_workers, tuple(workers))
+        return dataclasses.replace(self, workers=tuple(workers))
 
     def __str__(self) -> str:
         cells = [[str(a) for a in actions] for actions in self.workers]
@@ -289,6 +332,9 @@ class Schedule:
             f"{self.name}: {self.num_workers} workers, {self.num_stages} stages, "
             f"{self.num_microbatches} micro-batches"
         )
+        if self.minibatch_size:
+            head += (f" in {self.num_minibatches} mini-batches of {self.minibatch_size}, "
+                     f"{'flushed' if self.flush else 'no flush'}")
         lines = [head, "slot      " + " ".join(f"{i:>{width}}" for i in range(slots))]
         for w, row in enumerate(cells):
             lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))

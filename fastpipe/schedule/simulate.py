@@ -34,6 +34,7 @@ def simulate_times(
     weight: Cost = 1.0,
     comm: Cost = 0.0,
     combined: Cost | None = None,
+    update: Cost = 0.0,
 ) -> dict[Action, tuple[int, float, float]]:
     """Simulates ``schedule`` and returns ``{action: (worker, start, end)}``.
 
@@ -48,7 +49,7 @@ def simulate_times(
     wgt = _per_stage(weight, n, "weight")
     link = _per_stage(comm, max(n - 1, 0), "comm (one per stage boundary)")
     both = [b + w for b, w in zip(bwd, wgt)] if combined is None else _per_stage(combined, n, "combined")
-    cost = {"F": fwd, "B": bwd, "W": wgt, "BW": both}
+    cost = {"F": fwd, "B": bwd, "W": wgt, "BW": both, "U": _per_stage(update, n, "update")}
 
     def delay(dep: Action, action: Action, dep_worker: int, worker: int) -> float:
         if dep_worker == worker or action.kind in ("SEND_F", "SEND_B"):
@@ -97,6 +98,7 @@ def simulate(
     weight: Cost = 1.0,
     comm: Cost = 0.0,
     combined: Cost | None = None,
+    update: Cost = 0.0,
 ) -> Timeline:
     """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.Timeline`.
 
@@ -111,11 +113,12 @@ def simulate(
         combined: cost of ``BW``, scalar or per stage; default ``backward + weight``. A
             measured combined backward can differ from B + W: the split walks the graph,
             and only a combined one sums Linear weight gradients in the GEMM.
+        update: cost of a weight update ``U`` (streams of mini-batches), scalar or per stage.
 
     Returns:
         The timeline, in the same units as the costs.
     """
-    times = simulate_times(schedule, forward, backward, weight, comm, combined)
+    times = simulate_times(schedule, forward, backward, weight, comm, combined, update)
     timeline = Timeline(schedule.num_workers)
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)

@@ -1,0 +1,13 @@
+"""Training that owns the optimizer step: synchronous or asynchronous (XPipe) pipelines.
+
+Entry point: :meth:`fastpipe.Pipe.fit` (a CLI can call :func:`fit` with the same
+arguments). Consistency policies: :data:`POLICIES`; see
+:mod:`fastpipe.asynchronous.weights` for what each one runs on and
+:mod:`fastpipe.asynchronous.direction` for weight prediction.
+"""
+
+from fastpipe.asynchronous.direction import SUPPORTED, check_predictable, update_direction
+from fastpipe.asynchronous.fit import FitRun, fit
+from fastpipe.asynchronous.weights import POLICIES
+
+__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "update_direction"]

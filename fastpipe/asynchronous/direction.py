@@ -1,0 +1,100 @@
+"""The optimizer's current update direction, read from its own state, for weight prediction.
+
+XPipe (Guan, Yin, Li, Lu 2019, arXiv 1911.04610) predicts the weights a stage will hold
+when a micro-batch's gradient is applied, s updates from now, and runs the micro-batch's
+forward and backward on that prediction. PipeOptim (arXiv 2312.00839) makes the prediction
+follow the optimizer's own update rule::
+
+    Ŵ = W - lr · s · Δ          Δ: the direction of the optimizer's next step
+
+where Δ comes from the state the optimizer already keeps (no extra state is stored):
+
+* ``torch.optim.SGD`` with momentum: the momentum buffer ``v`` (the step is ``lr · v``;
+  weight decay and dampening are already folded into ``v``);
+* ``torch.optim.Adam``: ``m̂ / (√v̂ + ε)`` with ``m̂ = m / (1 - β1^t)``, ``v̂ = v / (1 - β2^t)``
+  (``v̂`` from the running maximum under ``amsgrad``; L2 weight decay is folded into m);
+* ``torch.optim.AdamW`` (and Adam with ``decoupled_weight_decay=True``): the same plus the
+  decoupled decay ``λ · W``.
+
+``maximize=True`` needs nothing more: both optimizers negate the gradient before it enters
+their state, so the step is still ``-lr · Δ``. A parameter without state yet (no update so far) has
+Δ = 0: the prediction is the current weights.
+
+Refused, with an error that says so: SGD without momentum (it keeps no direction), SGD with
+``nesterov=True`` (its step adds the current gradient, which no state holds), and every
+other optimizer class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SUPPORTED", "check_predictable", "update_direction"]
+
+SUPPORTED = "torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam, torch.optim.AdamW"
+
+
+def check_predictable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless :func:`update_direction` knows ``optimizer``'s direction.
+
+    Raises:
+        ValueError: naming the supported optimizers and what to change.
+    """
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"fastpipe: consistency='predict' needs the optimizer's update direction, which is known for "
+            f"{SUPPORTED}; got {kind.__module__}.{kind.__qualname__}. Use one of those, or "
+            "consistency='stash' / 'stale' / 'sync', which work with any optimizer"
+        )
+    if kind is torch.optim.SGD:
+        for group in optimizer.param_groups:
+            if not group.get("momentum", 0):
+                raise ValueError(
+                    "fastpipe: consistency='predict' with SGD needs momentum > 0: plain SGD keeps no update "
+                    "direction to predict from; set momentum (e.g. 0.9) or use consistency='stash'"
+                )
+            if group.get("nesterov", False):
+                raise ValueError(
+                    "fastpipe: consistency='predict' does not support SGD(nesterov=True): its step adds the "
+                    "current gradient, which the optimizer does not keep; use nesterov=False or Adam/AdamW"
+                )
+
+
+def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+@torch.no_grad()
+def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> list[Tensor | None]:
+    """Δ for each of ``params`` (None where the optimizer holds no state for it yet).
+
+    The caller has checked the optimizer with :func:`check_predictable`; the step it
+    predicts is ``p ← p - lr · Δ``.
+    """
+    groups = _group_of(optimizer)
+    decoupled = type(optimizer) is torch.optim.AdamW
+    out: list[Tensor | None] = []
+    for p in params:
+        group, state = groups[id(p)], optimizer.state.get(p, {})
+        if type(optimizer) is torch.optim.SGD:
+            buf = state.get("momentum_buffer")
+            out.append(None if buf is None else buf)
+            continue
+        if "exp_avg" not in state:
+            out.append(None)
+            continue
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+        m_hat = state["exp_avg"] / (1 - beta1 ** step)
+        v_hat = second / (1 - beta2 ** step)
+        delta = m_hat / (v_hat.sqrt() + group["eps"])
+        if decoupled or group.get("decoupled_weight_decay", False):
+            delta = delta + group["weight_decay"] * p
+        out.append(delta)
+    return out

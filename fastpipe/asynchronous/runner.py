@@ -1,0 +1,111 @@
+"""The step runner of a stream: forwards and backwards on version tensors, updates in place.
+
+It extends the one-step :class:`~fastpipe.runtime.local.StepRunner` (same transport, same
+recompute, same loss weighting) in three ways:
+
+* each (stage, micro-batch) runs on the tensors its :class:`StageWeights` chose, through
+  :func:`torch.func.functional_call`, never on the parameters themselves;
+* a backward accumulates into its mini-batch's gradient sum, one per (stage, mini-batch);
+* ``U(s, n)`` hands stage s's sum for mini-batch n to ``apply_update`` (the optimizer step)
+  and moves the stage's live version on.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fastpipe.asynchronous.weights import StageWeights
+from fastpipe.microbatch import Value
+from fastpipe.runtime.local import LossSpec, Stage, StepRunner, StepState
+from fastpipe.runtime.transport import Transport
+from fastpipe.schedule import Action
+
+__all__ = ["StreamRunner"]
+
+ApplyUpdate = Callable[[int, int, Sequence[Tensor | None]], None]
+
+
+class _OnVersion(nn.Module):
+    """Calls ``inner`` with its trainable parameters replaced by ``self.tensors``."""
+
+    def __init__(self, inner: nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.names = names
+        self.tensors: Sequence[Tensor] = ()
+
+    def forward(self, inputs: Any) -> Any:
+        return functional_call(self.inner, dict(zip(self.names, self.tensors)), (inputs,), strict=False)
+
+
+class StreamRunner(StepRunner):
+    """F, BW and U handlers of one window of a stream (see the module docstring).
+
+    Args:
+        stages, num_stages, transport, state, checkpoint, loss: as for ``StepRunner``.
+        weights: per stage, who chooses each micro-batch's weights.
+        minibatch_size: micro-batches per update.
+        apply_update: ``apply_update(stage, minibatch, grads)`` steps the optimizer for one
+            stage; called from that stage's worker.
+    """
+
+    def __init__(self, stages: Mapping[int, Stage], num_stages: int, transport: Transport, state: StepState, *,
+                 checkpoint: Callable[[int], bool], loss: LossSpec, weights: Mapping[int, StageWeights],
+                 minibatch_size: int, apply_update: ApplyUpdate) -> None:
+        own: dict[int, Stage] = {}
+        self._live_params: dict[int, list[nn.Parameter]] = {}
+        self._modules: dict[int, _OnVersion] = {}
+        for s, stage in stages.items():
+            names = [n for n, p in stage.module.named_parameters() if p.requires_grad]
+            mine = copy.copy(stage)  # its params are swapped per action; the Pipe's Stage stays as it is
+            self._modules[s] = mine.module = _OnVersion(stage.module, names)
+            self._live_params[s] = list(stage.params)
+            own[s] = mine
+        super().__init__(own, num_stages, transport, state, grad=True, checkpoint=checkpoint, loss=loss)
+        self.weights = weights
+        self.minibatch_size = minibatch_size
+        self.apply_update = apply_update
+        self.sums: dict[tuple[int, int], list[Tensor | None]] = {}
+
+    def handlers(self) -> dict[str, Callable[[Action], float]]:
+        return {"F": self.forward, "BW": self.backward, "U": self.update}
+
+    def forward(self, action: Action) -> float:
+        self.weights[action.stage].acquire(action.microbatch)
+        return super().forward(action)
+
+    def _run_module(self, s: int, m: int, inputs: Value) -> Value:
+        module = self._modules[s]
+        module.tensors = self.weights[s].tensors(m)
+        try:
+            return super()._run_module(s, m, inputs)
+        finally:
+            module.tensors = ()
+
+    def backward(self, action: Action) -> float:
+        s, m = action.stage, action.microbatch
+        key = (s, m // self.minibatch_size)
+        stage = self.stages[s]
+        stage.params = self.weights[s].tensors(m)  # type: ignore[assignment]  # gradients w.r.t. the version used
+        self.param_grads[s] = self.sums.setdefault(key, [None] * len(stage.params))
+        try:
+            started = super().backward(action)
+        finally:
+            stage.params = self._live_params[s]
+        self.weights[s].release(m)
+        return started
+
+    def update(self, action: Action) -> float:
+        started = time.perf_counter()
+        s, n = action.stage, action.microbatch
+        grads = self.sums.pop((s, n), None) or [None] * len(self._live_params[s])
+        self.weights[s].before_update()
+        self.apply_update(s, n, grads)
+        self.weights[s].version += 1
+        return started

@@ -1,0 +1,164 @@
+"""Streams of mini-batches: schedules that update weights inside the pipeline.
+
+A one-step schedule (``gpipe``, ``1f1b``, ...) ends with a flush: every stage waits for the
+last backward before the caller's ``optimizer.step()``. A *stream* runs N mini-batches of M
+micro-batches each and gives every (stage, mini-batch) an update action ``U``; micro-batch
+``m`` belongs to mini-batch ``m // M``. Its text form is ``0U1`` (stage 0 applies the update
+of mini-batch 1). Two orders of the same actions:
+
+* ``flush=True`` (synchronous): N one-step 1F1B schedules back to back, ``U(s, n)`` right
+  after the stage's last backward of mini-batch n, and every forward of mini-batch n + 1
+  waiting for it. Each mini-batch pays the fill-and-drain bubble (K - 1)(F + B).
+* ``flush=False`` (asynchronous, PipeDream / XPipe): one 1F1B over all N·M micro-batches,
+  with ``U(s, n)`` still right after the stage's last backward of mini-batch n. Forwards of
+  mini-batch n + 1 run while mini-batch n drains, on weights that miss the updates still
+  to come; the bubble is paid once per stream, so the steady-state gain is (M + K - 1)/M.
+
+::
+
+    K=2, M=2, no flush   w0: F0 F1 BW0 F2 BW1 U0 F3 BW2 F4 BW3 U1 ...
+                         w1: F0 BW0 F1 BW1 U0 F2 BW2 F3 BW3 U1 ...
+
+:func:`update_lag` reads from a stream how many updates land between a micro-batch's
+forward and the update that consumes its gradient (the ``s`` of weight prediction), and
+:func:`weight_versions` how many old or predicted weight copies a stage holds at most.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fastpipe.schedule.builders import build
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+from fastpipe.schedule.simulate import simulate_times
+
+__all__ = ["build_stream", "update_lag", "weight_versions", "steady_state_time"]
+
+
+@functools.lru_cache(maxsize=64)
+def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool = False) -> Schedule:
+    """A 1F1B stream of ``minibatches`` mini-batches of ``microbatches`` micro-batches each.
+
+    Args:
+        stages: pipeline stages K (one per worker).
+        microbatches: micro-batches per mini-batch M (per weight update).
+        minibatches: mini-batches N in the stream.
+        flush: synchronous (True) or asynchronous (False); see the module docstring.
+
+    Returns:
+        A validated schedule named ``"1f1b-stream"`` (``"1f1b-flush"`` when flushed).
+
+    Raises:
+        ScheduleError: an argument is not a positive integer.
+    """
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("minibatches", minibatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
+    m = microbatches
+    if flush:
+        one = build("1f1b", stages, m).workers
+        workers = [
+            [a for n in range(minibatches)
+             for a in [Action(x.kind, x.stage, x.microbatch + n * m) for x in one[w]] + [Action("U", w, n)]]
+            for w in range(stages)
+        ]
+    else:
+        workers = []
+        for actions in build("1f1b", stages, m * minibatches).workers:
+            out: list[Action] = []
+            for a in actions:
+                out.append(a)
+                if a.kind == "BW" and a.microbatch % m == m - 1:
+                    out.append(Action("U", a.stage, a.microbatch // m))
+            workers.append(out)
+    schedule = Schedule("1f1b-flush" if flush else "1f1b-stream", stages, m * minibatches, stages,
+                        tuple(tuple(w) for w in workers), minibatch_size=m, flush=flush)
+    schedule.validate()
+    return schedule
+
+
+def update_lag(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """Per ``(stage, micro-batch)``, the updates its stage applies between the micro-batch's
+    forward and the update that consumes its gradient (that update excluded).
+
+    This is the ``s`` of XPipe's weight prediction (Guan et al. 2019, arXiv 1911.04610):
+    the gradient of micro-batch m is applied to the weights W_{t+s}, where W_t are the
+    weights its forward would see, so the forward should run on a prediction of W_{t+s}.
+    It is read from the stage's action list, not from a formula per rank, so any stream
+    order gets its own lags. A flushed stream has lag 0 everywhere.
+
+    Raises:
+        ScheduleError: ``schedule`` is not a stream (no ``U`` actions).
+    """
+    if not schedule.minibatch_size:
+        raise ScheduleError(f"{schedule.name!r} is not a stream of mini-batches; it has no update actions")
+    size = schedule.minibatch_size
+    lag: dict[tuple[int, int], int] = {}
+    for actions in schedule.workers:
+        applied: dict[int, int] = {}  # per stage: updates applied so far along this worker's list
+        seen_at: dict[tuple[int, int], int] = {}
+        for a in actions:
+            if a.kind == "F":
+                seen_at[(a.stage, a.microbatch)] = applied.get(a.stage, 0)
+            elif a.kind == "U":
+                # U(s, n) is the (applied)-th update of stage s; it consumes mini-batch n.
+                done = applied.get(a.stage, 0)
+                for m in range(a.microbatch * size, (a.microbatch + 1) * size):
+                    lag[(a.stage, m)] = done - seen_at[(a.stage, m)]
+                applied[a.stage] = done + 1
+    return lag
+
+
+def weight_versions(schedule: Schedule) -> dict[str, list[int]]:
+    """Per policy, per stage: the most weight copies held at once besides the live weights.
+
+    * ``"stash"``: one copy per version that an update superseded while a micro-batch that
+      ran its forward on it still awaits its backward (PipeDream's weight stashing; with the
+      live weights at most K versions);
+    * ``"predict"``: one prediction per (version seen, mini-batch) among the micro-batches in
+      flight with a lag > 0 (:func:`update_lag`; with lag 0 no update lands between a
+      forward and its backward, so the live weights serve);
+    * ``"sync"`` and ``"stale"``: none.
+
+    A copy lives until the last backward that reads it.
+    """
+    lags = update_lag(schedule)
+    size = schedule.minibatch_size
+    peaks = {"stash": [0] * schedule.num_stages, "predict": [0] * schedule.num_stages}
+    for actions in schedule.workers:
+        version: dict[int, int] = {}
+        alive: dict[str, dict[tuple[int, ...], set[int]]] = {"stash": {}, "predict": {}}
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            t = version.get(s, 0)
+            if a.kind == "F":
+                alive["stash"].setdefault((s, t), set()).add(m)
+                if lags[(s, m)]:
+                    alive["predict"].setdefault((s, t, m // size), set()).add(m)
+            elif a.kind in ("BW", "W"):
+                for table in alive.values():
+                    for key in [k for k, users in table.items() if k[0] == s and m in users]:
+                        table[key].discard(m)
+                        if not table[key]:
+                            del table[key]
+            elif a.kind == "U":
+                version[s] = version.get(s, 0) + 1
+            now = version.get(s, 0)
+            peaks["stash"][s] = max(peaks["stash"][s], sum(1 for k in alive["stash"] if k[0] == s and k[1] < now))
+            peaks["predict"][s] = max(peaks["predict"][s], sum(1 for k in alive["predict"] if k[0] == s))
+    zeros = [0] * schedule.num_stages
+    return {"sync": zeros, "stale": list(zeros), **peaks}
+
+
+def steady_state_time(stages: int, microbatches: int, flush: bool, forward: float = 1.0,
+                      backward: float = 2.0, minibatches: int = 16) -> float:
+    """Simulated time per mini-batch in steady state (the fill and drain of the stream excluded).
+
+    It is the slope of the makespan over the number of mini-batches: (T(2N) - T(N)) / N.
+    """
+    def makespan(n: int) -> float:
+        times = simulate_times(build_stream(stages, microbatches, n, flush), forward=forward,
+                               backward=backward, weight=0.0)
+        return max(end for _, _, end in times.values())
+
+    return (makespan(2 * minibatches) - makespan(minibatches)) / minibatches
