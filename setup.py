@@ -31,7 +31,7 @@ setup(
     name="fastpipe",
     version="0.1.0",
     description="Pipeline-parallel training for PyTorch: GPipe done right",
-    packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.kernels"],
+    packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.asynchronous", "fastpipe.kernels"],
     package_dir={"fastpipe.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
@@ -49,6 +49,7 @@ setup(
     extras_require={
         "plot": ["matplotlib"],
         "test": ["pytest", "matplotlib"],
-        "bench": ["matplotlib", "torchgpipe"],
+        # scikit-learn: bench/xpipe_convergence.py trains on the digits data set it ships.
+        "bench": ["matplotlib", "torchgpipe", "scikit-learn"],
     },
 )

@@ -1,0 +1,241 @@
+"""Pipe.fit: sync equals train_step + optimizer.step(); stash and predict keep forward and backward on
+one version; weight prediction follows the optimizer; a run resumed from a mid-stream save is the same run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastpipe
+from fastpipe import Pipe
+from fastpipe.asynchronous import update_direction
+
+
+def model(seed: int = 3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def data(n: int, batch: int = 12) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g)) for _ in range(n)]
+
+
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_sync_equals_train_step_then_step(name: str, chunks: int) -> None:
+    batches = data(5, batch=13)  # 13 in 4 chunks: uneven micro-batches
+    ref = Pipe(model(), balance=[3, 2, 2], chunks=chunks)
+    opt = OPTIMIZERS[name](ref.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    expected = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        expected.append(ref.train_step(x, y, nn.MSELoss()))
+        opt.step()
+        sched.step()
+    pipe = Pipe(model(), balance=[3, 2, 2], chunks=chunks)
+    opt2 = OPTIMIZERS[name](pipe.parameters())
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    run = pipe.fit(batches, nn.MSELoss(), opt2, consistency="sync", scheduler=sched2, window=2)
+    assert len(run) == len(batches)
+    losses = list(run)
+    assert run.steps == len(batches) and run.weight_copy_bytes == [0, 0, 0]
+    for got, want in zip(losses, expected):
+        assert torch.equal(got, want)
+    for (n, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_sync_clips_each_stage() -> None:
+    batches = data(3)
+    ref = Pipe(model(), balance=[3, 4], chunks=2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        ref.train_step(x, y, nn.MSELoss())
+        for part in ref.partitions:
+            torch.nn.utils.clip_grad_norm_(part.parameters(), 0.05)
+        opt.step()
+    pipe = Pipe(model(), balance=[3, 4], chunks=2)
+    list(pipe.fit(batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.5), consistency="sync",
+                  max_grad_norm=0.05))
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+class Probe(nn.Module):
+    """x * w, recording the w its forward and its backward computed with (per call, in order)."""
+
+    def __init__(self, log: dict[str, list[Tensor]]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.log = log
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Probe.apply(x, self.weight, self.log)
+
+
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, log):  # type: ignore[override]
+        log["forward"].append(w.detach().clone())
+        ctx.save_for_backward(x, w)
+        ctx.log = log
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        ctx.log["backward"].append(w.detach().clone())
+        return grad * w, (grad * x).sum(0), None
+
+
+def probe_run(consistency: str, steps: int = 6) -> tuple[dict[str, list[Tensor]], list[Tensor]]:
+    log: dict[str, list[Tensor]] = {"forward": [], "backward": []}
+    torch.manual_seed(0)
+    seq = nn.Sequential(Probe(log), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    pipe = Pipe(seq, balance=[1, 1, 2], chunks=1, checkpoint="never")
+    live: list[Tensor] = []
+    seq[0].weight.register_post_accumulate_grad_hook(lambda p: live.append(p.detach().clone()))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    list(pipe.fit(data(steps), nn.MSELoss(), opt, consistency=consistency, window=steps))
+    return log, live
+
+
+@pytest.mark.parametrize("consistency", ["stash", "predict"])
+def test_backward_sees_the_forward_weights(consistency: str) -> None:
+    log, _ = probe_run(consistency)
+    assert len(log["forward"]) == len(log["backward"]) == 6  # one stage, M=1: backwards in forward order
+    for f, b in zip(log["forward"], log["backward"]):
+        assert torch.equal(f, b)
+
+
+def test_stale_backward_sees_newer_weights() -> None:
+    # The naive baseline: stage 0 of 3 has two updates in flight, so its backwards read moved weights.
+    log, _ = probe_run("stale")
+    assert any(not torch.equal(f, b) for f, b in zip(log["forward"], log["backward"]))
+
+
+def test_stash_keeps_the_version_it_ran_on() -> None:
+    # Stage 0 of K=3 at M=1: micro-batch m's forward runs on the weights after m-2 updates (0 for m < 2).
+    log, grads_seen = probe_run("stash")
+    torch.manual_seed(0)
+    w0 = torch.ones(8)
+    assert torch.equal(log["forward"][0], w0) and torch.equal(log["forward"][1], w0)
+    assert torch.equal(log["forward"][2], w0)  # U0 lands after F2 on stage 0 (2 warm-up forwards)
+    assert not torch.equal(log["forward"][3], w0)
+
+
+def test_predict_runs_ahead_of_the_live_weights() -> None:
+    stale, _ = probe_run("stale")
+    pred, _ = probe_run("predict")
+    # Micro-batch 0 and those before any optimizer state run on the live weights; later ones on a prediction.
+    assert torch.equal(stale["forward"][0], pred["forward"][0])
+    assert not torch.equal(stale["forward"][4], pred["forward"][4])
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_update_direction_is_the_step_just_taken(kind: str) -> None:
+    p = nn.Parameter(torch.randn(5))
+    opt = (torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01) if kind == "sgd"
+           else torch.optim.Adam([p], lr=0.1, weight_decay=0.01, amsgrad=True))
+    assert update_direction(opt, [p]) == [None]
+    for i in range(3):
+        before = p.detach().clone()
+        p.grad = torch.randn(5) * (i + 1)
+        opt.step()
+        (delta,) = update_direction(opt, [p])
+        assert delta is not None
+        torch.testing.assert_close((before - p.detach()) / 0.1, delta)
+
+
+def test_adamw_direction_adds_decoupled_decay() -> None:
+    p = nn.Parameter(torch.randn(5))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5)
+    for _ in range(2):
+        before = p.detach().clone()
+        p.grad = torch.randn(5)
+        opt.step()
+        (delta,) = update_direction(opt, [p])
+        assert delta is not None
+        # AdamW: p <- p(1 - lr·λ) - lr·m̂/(√v̂+ε); Δ uses the current p for the decay term.
+        adam_part = (before * (1 - 0.1 * 0.5) - p.detach()) / 0.1
+        torch.testing.assert_close(delta - 0.5 * p.detach(), adam_part)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    (lambda ps: torch.optim.RMSprop(ps), "SGD .*Adam.*AdamW"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "momentum > 0"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "nesterov"),
+])
+def test_predict_refuses_unknown_directions(optimizer, match: str) -> None:
+    pipe = Pipe(model(), balance=[3, 4])
+    with pytest.raises(ValueError, match=match):
+        pipe.fit(data(1), nn.MSELoss(), optimizer(pipe.parameters()), consistency="predict")
+    # the other policies take any optimizer
+    assert len(list(pipe.fit(data(1), nn.MSELoss(), optimizer(pipe.parameters()), consistency="stash"))) == 1
+
+
+def test_bad_arguments_are_refused() -> None:
+    pipe = Pipe(model(), balance=[3, 4])
+    opt = torch.optim.Adam(pipe.parameters())
+    with pytest.raises(ValueError, match="consistency must be one of"):
+        pipe.fit(data(1), nn.MSELoss(), opt, consistency="async")
+    with pytest.raises(ValueError, match="window"):
+        pipe.fit(data(1), nn.MSELoss(), opt, window=0)
+    with pytest.raises(ValueError, match="not trainable parameters of this pipe"):
+        pipe.fit(data(1), nn.MSELoss(), torch.optim.Adam([nn.Parameter(torch.ones(1))]))
+    with pytest.raises(TypeError, match="batches of \\(input, target\\)"):
+        next(pipe.fit([torch.ones(2, 8)], nn.MSELoss(), opt))
+
+
+@pytest.mark.parametrize("consistency", ["predict", "stash"])
+def test_mid_stream_save_and_resume(consistency: str, tmp_path: os.PathLike) -> None:
+    batches = data(8)
+    path = os.path.join(tmp_path, "ckpt.pt")
+
+    def fresh() -> tuple[Pipe, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        pipe = Pipe(model(), balance=[2, 2, 3], chunks=2)
+        opt = torch.optim.Adam(pipe.parameters(), lr=2e-2)
+        return pipe, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    pipe, opt, sched = fresh()
+    whole = [loss.item() for loss in pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency,
+                                              scheduler=sched, window=2)]
+    pipe, opt, sched = fresh()
+    run = pipe.fit(batches[:4], nn.MSELoss(), opt, consistency=consistency, scheduler=sched, window=2)
+    first = [loss.item() for loss in run]
+    assert run.steps % run.window == 0  # a drained point: nothing in flight
+    fastpipe.save(pipe, path, opt)
+    sched_state = sched.state_dict()
+
+    pipe, opt, sched = fresh()
+    fastpipe.load(path, pipe, opt)
+    sched.load_state_dict(sched_state)
+    rest = [loss.item() for loss in pipe.fit(batches[4:], nn.MSELoss(), opt, consistency=consistency,
+                                             scheduler=sched, window=2)]
+    assert first + rest == whole
+
+
+def test_weight_copy_bytes_match_the_schedule() -> None:
+    pipe = Pipe(model(), balance=[2, 2, 3], chunks=1)
+    sizes = [sum(p.numel() * p.element_size() for p in part.parameters()) for part in pipe.partitions]
+    for consistency, copies in (("stash", [2, 1, 0]), ("predict", [3, 2, 0]), ("stale", [0, 0, 0])):
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+        run = pipe.fit(data(6), nn.MSELoss(), opt, consistency=consistency, window=6)
+        list(run)
+        assert run.weight_copy_bound == [c * n for c, n in zip(copies, sizes)]
+        assert run.weight_copy_bytes == run.weight_copy_bound
