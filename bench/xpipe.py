@@ -1,0 +1,143 @@
+"""Asynchronous (XPipe) against synchronous 1F1B: the simulated table and a paired CPU measurement.
+
+1. Simulated steady-state time per mini-batch of a 1F1B stream without a flush against the
+   same stream flushed every mini-batch (sync 1F1B), for K = 2, 4, 8 stages and M = 1, 4, 8
+   micro-batches (F = 1, B = 2 per stage and micro-batch). The limit of the gain is
+   (M + K - 1) / M. ``Pipe.fit`` drains every ``window`` mini-batches; the table gives the
+   gain with that drain too.
+2. Measured on CPU, K = 2 stages (one thread each), M = 4: mini-batches per second of
+   ``train_step`` (1F1B) + ``optimizer.step()``, of ``fit(consistency="sync")`` and of
+   ``fit`` with each asynchronous policy, timed in alternating rounds in one run. Reported:
+   the median over rounds of each method's time per mini-batch divided by the same round's
+   sync 1F1B time (so drift between rounds cancels).
+
+Usage::
+
+    python bench/xpipe.py --rounds 5 --json bench/out/xpipe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_json  # noqa: E402
+from workload import HIDDEN, make_model  # noqa: E402
+
+from fastpipe import Pipe  # noqa: E402
+from fastpipe.schedule.stream import steady_state_time  # noqa: E402
+
+LOSS = nn.MSELoss()
+
+
+def simulated(window: int) -> list[dict[str, Any]]:
+    """Steady-state time per mini-batch, sync 1F1B vs stream, and the gain with a drain per window."""
+    rows = []
+    for k in (2, 4, 8):
+        for m in (1, 4, 8):
+            sync = steady_state_time(k, m, flush=True)
+            stream = steady_state_time(k, m, flush=False)
+            per_window = window * m + k - 1  # a window of N mini-batches pays one fill and drain
+            rows.append({"K": k, "M": m, "sync_1f1b": sync, "async": stream, "gain": sync / stream,
+                         "limit": (m + k - 1) / m, f"gain_window_{window}": window * (m + k - 1) / per_window})
+    return rows
+
+
+def _print_simulated(rows: list[dict[str, Any]], window: int) -> None:
+    print(f"simulated steady state, time per mini-batch (F=1, B=2): window = {window}")
+    print(f"{'K':>2} {'M':>2} {'sync 1F1B':>10} {'async':>7} {'gain':>6} {'(M+K-1)/M':>10} {'with drain':>11}")
+    for r in rows:
+        print(f"{r['K']:>2} {r['M']:>2} {r['sync_1f1b']:>10.1f} {r['async']:>7.1f} {r['gain']:>6.3f} "
+              f"{r['limit']:>10.3f} {r[f'gain_window_{window}']:>11.3f}")
+
+
+def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int) -> dict[str, Any]:
+    """Paired time per mini-batch on 2 CPU stages; see the module docstring."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, HIDDEN, generator=g), torch.randn(batch, HIDDEN, generator=g))
+            for _ in range(window)]
+    half = blocks // 2
+    pipes: dict[str, Pipe] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    methods: dict[str, Callable[[], None]] = {}
+
+    def add(name: str, consistency: str | None) -> None:
+        pipe = Pipe(make_model(blocks), balance=[half, blocks - half], chunks=chunks)
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-5)
+        pipes[name], opts[name] = pipe, opt
+
+        def run() -> None:
+            if consistency is None:
+                for x, y in data:
+                    opt.zero_grad(set_to_none=True)
+                    pipe.train_step(x, y, LOSS, schedule="1f1b")
+                    opt.step()
+            else:
+                for _ in pipe.fit(data, LOSS, opt, consistency=consistency, window=window):
+                    pass
+
+        methods[name] = run
+
+    add("sync 1F1B (train_step + step)", None)
+    for policy in ("sync", "stale", "stash", "predict"):
+        add(f"fit {policy}", policy)
+    for run in methods.values():  # warm-up: allocator, threads
+        run()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(rounds):
+        order = list(methods) if r % 2 == 0 else list(reversed(methods))  # alternate who goes first
+        for name in order:
+            start = time.perf_counter()
+            methods[name]()
+            times[name].append((time.perf_counter() - start) / window)
+    base = times["sync 1F1B (train_step + step)"]
+    result = {}
+    for name, ts in times.items():
+        ratio = statistics.median(b / t for b, t in zip(base, ts))
+        result[name] = {"median_s_per_minibatch": statistics.median(ts), "speedup_vs_sync_1f1b": ratio,
+                        "per_round_s": ts}
+    for pipe in pipes.values():
+        pipe.close()
+    return {"K": 2, "M": chunks, "window": window, "blocks": blocks, "batch": batch, "rounds": rounds,
+            "limit": (chunks + 1) / chunks, "limit_with_drain": window * (chunks + 1) / (window * chunks + 1),
+            "methods": result}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--window", type=int, default=16, help="mini-batches per drain in fit (and per round)")
+    parser.add_argument("--blocks", type=int, default=4, help="residual MLP blocks (bench/workload.py)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--skip-measure", action="store_true", help="only the simulated table")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    rows = simulated(args.window)
+    _print_simulated(rows, args.window)
+    out: dict[str, Any] = {"simulated": rows}
+    if not args.skip_measure:
+        m = measured(args.rounds, args.window, args.blocks, args.batch, args.chunks)
+        out["measured"] = m
+        print(f"\nmeasured, K=2 CPU stages, M={m['M']}, window={m['window']}, {m['rounds']} rounds "
+              f"(limit {m['limit']:.3f}x, {m['limit_with_drain']:.3f}x with one drain per window)")
+        for name, r in m["methods"].items():
+            print(f"  {name:<32} {r['median_s_per_minibatch'] * 1e3:8.1f} ms/mini-batch   "
+                  f"{r['speedup_vs_sync_1f1b']:.3f}x vs sync 1F1B (paired)")
+    write_json(out, args.json)
+
+
+if __name__ == "__main__":
+    main()
