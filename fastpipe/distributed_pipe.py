@@ -18,7 +18,7 @@ With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -282,6 +282,20 @@ class DistributedPipe(nn.Module):
         for s, st in self._stages.items():
             accumulate_grads(st.params, outcome.param_grads[s])
         return outcome.loss
+
+    def fit(self, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
+            optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
+            max_grad_norm: float | None = None, window: int = 8, trace: bool = False) -> Any:
+        """:meth:`fastpipe.Pipe.fit` on every rank, one stage per rank; see :mod:`fastpipe.asynchronous.distributed`.
+
+        Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
+        reads the inputs, the last rank the targets) and its optimizer over its parameters;
+        every rank yields the same losses.
+        """
+        from fastpipe.asynchronous.fit import fit
+
+        return fit(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                   max_grad_norm=max_grad_norm, window=window, trace=trace)
 
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -26,16 +27,36 @@ from fastpipe.asynchronous.runner import StreamRunner
 from fastpipe.asynchronous.weights import POLICIES, StageWeights
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
 from fastpipe.rng import draw_step_seed
-from fastpipe.runtime.local import LossSpec, StepState
+from fastpipe.runtime.local import LossSpec, Stage, StepState
 from fastpipe.runtime.param_hooks import accumulate_grads
-from fastpipe.runtime.transport import LocalTransport
+from fastpipe.runtime.transport import LocalTransport, Transport
 from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule
 from fastpipe.schedule.stream import build_stream, update_lag, weight_versions
 
-if TYPE_CHECKING:
-    from fastpipe.pipe import Pipe
+__all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
 
-__all__ = ["FitRun", "fit"]
+RunnerFactory = Callable[[Mapping[int, Stage], int, Transport, StepState], StreamRunner]
+
+
+@dataclass
+class Window:
+    """One window's mini-batches, flattened into micro-batches (inputs only where stage 0 runs)."""
+
+    minibatches: int
+    microbatches: int  # per mini-batch
+    seed: int
+    inputs: list[Value]
+    targets: list[Any]
+    sizes: list[int]  # per micro-batch
+    factors: list[float]
+
+    def losses(self, results: Mapping[int, Value]) -> list[Tensor]:
+        """Each mini-batch's loss from the last stage's per-micro-batch losses."""
+        m = self.microbatches
+        with torch.no_grad():
+            return [torch.stack([self.factors[i] * cast(Tensor, results[i])
+                                 for i in range(j * m, (j + 1) * m)]).sum() for j in range(self.minibatches)]
 
 
 class FitRun(Iterator[Tensor]):
@@ -47,19 +68,24 @@ class FitRun(Iterator[Tensor]):
 
     Attributes:
         steps: mini-batches whose loss has been yielded.
-        weight_copy_bytes: per stage, the most bytes of weight copies (stashed or
+        weight_copy_bytes: per stage (this process's), the most bytes of weight copies (stashed or
             predicted versions) held at once so far; 0 for ``sync`` and ``stale``.
         weight_copy_bound: per stage, the same read from the schedule (the most copies the
             window's stream needs at once, times the stage's parameter bytes).
     """
 
-    def __init__(self, pipe: Pipe, batches: Iterable[tuple[Value, Any]], loss_fn: Callable[[Any, Any], Tensor],
+    def __init__(self, pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
                  optimizer: torch.optim.Optimizer, *, consistency: str, scheduler: Any, max_grad_norm: float | None,
                  window: int, trace: bool | None) -> None:
         if consistency not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"fastpipe: window must be an int >= 1 (mini-batches per drain), got {window!r}")
+        stages: Any = pipe._stages
+        self.stages: dict[int, Stage] = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
+        self.num_stages = len(pipe.balance)  # type: ignore[arg-type]
+        self.chunks: int = pipe.chunks  # type: ignore[assignment]
+        self.checkpoint_mode: str = pipe.checkpoint  # type: ignore[assignment]
         if pipe.deferred_batch_norm:
             raise ValueError("fastpipe: fit does not support deferred_batch_norm=True yet; use train_step")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -73,7 +99,7 @@ class FitRun(Iterator[Tensor]):
             raise ValueError("fastpipe: the scheduler drives another optimizer than the one given to fit")
         if consistency == "predict":
             check_predictable(optimizer)
-        owned = {id(p) for st in pipe._stages for p in st.params}
+        owned = {id(p) for st in self.stages.values() for p in st.params}
         foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
         if foreign:
             raise ValueError(f"fastpipe: the optimizer holds parameters that are not trainable parameters of this "
@@ -87,11 +113,11 @@ class FitRun(Iterator[Tensor]):
         self.window = window
         self.trace = trace
         self.steps = 0
-        self.weight_copy_bytes = [0] * len(pipe._stages)
-        self.weight_copy_bound = [0] * len(pipe._stages)
+        self.weight_copy_bytes = {s: 0 for s in self.stages}
+        self.weight_copy_bound = {s: 0 for s in self.stages}
         self._batches = batches
         self._it = iter(batches)
-        self._held: tuple[list[Value], list[Any], list[float]] | None = None
+        self._held: tuple[list[Value], list[Any], list[int]] | None = None
         self._pending: deque[Tensor] = deque()
         self._lock = threading.Lock()  # one stage steps the shared optimizer at a time
         self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -112,29 +138,36 @@ class FitRun(Iterator[Tensor]):
 
     # -- one window -----------------------------------------------------------------
 
-    def _split(self, item: Any) -> tuple[list[Value], list[Any], list[float]]:
+    def _factors(self, sizes: Sequence[int]) -> list[float]:
+        """Each micro-batch's factor in its mini-batch's loss (its share of the samples for a mean loss)."""
+        reduction = getattr(self.loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; fit needs 'mean' or 'sum'")
+        return [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+
+    def _split(self, item: Any, need_input: bool = True) -> tuple[list[Value], list[Any], list[int]]:
+        """(micro-batches, targets, sizes) of one mini-batch."""
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise TypeError(f"fastpipe: fit expects batches of (input, target), got {type(item).__name__}")
         x, y = item
-        check_value(x, "input")
-        chunks = self.pipe.chunks
-        mbs = scatter(x, chunks)
+        chunks = self.chunks
+        mbs: list[Value] = []
+        if need_input:
+            check_value(x, "input")
+            mbs = scatter(x, chunks)
         targets: list[Any] = [None] * len(mbs)
         if y is not None:
             check_value(y, "target")
             targets = scatter(y, chunks)
-            if [batch_size(t, "target") for t in targets] != [batch_size(v) for v in mbs]:
+            if need_input and [batch_size(t, "target") for t in targets] != [batch_size(v) for v in mbs]:
                 raise ValueError(f"fastpipe: target batch size {batch_size(y, 'target')} differs from the input's "
                                  f"{batch_size(x)}; they are split into micro-batches together")
-        sizes = [batch_size(v) for v in mbs]
-        reduction = getattr(self.loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; fit needs 'mean' or 'sum'")
-        weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * len(mbs)
-        return mbs, targets, weights
+        sizes = [batch_size(v) for v in mbs] if need_input else [batch_size(t, "target") for t in targets]
+        return mbs, targets, sizes
 
-    def _next_window(self) -> list[tuple[list[Value], list[Any], list[float]]]:
-        group: list[tuple[list[Value], list[Any], list[float]]] = []
+    def _gather(self) -> Window | None:
+        """The next window's mini-batches: as many as ``window`` with the same number of micro-batches."""
+        group: list[tuple[list[Value], list[Any], list[int]]] = []
         while len(group) < self.window:
             if self._held is not None:
                 item, self._held = self._held, None
@@ -147,7 +180,11 @@ class FitRun(Iterator[Tensor]):
                 self._held = item  # a mini-batch with fewer micro-batches starts its own window
                 break
             group.append(item)
-        return group
+        if not group:
+            return None
+        return Window(len(group), len(group[0][0]), draw_step_seed(), [v for mbs, _, _ in group for v in mbs],
+                       [t for _, ts, _ in group for t in ts], [n for _, _, sz in group for n in sz],
+                       [f for _, _, sz in group for f in self._factors(sz)])
 
     def _lr_table(self, n: int) -> list[list[float]]:
         """The learning rate of every param group at each of the window's ``n`` updates."""
@@ -162,53 +199,56 @@ class FitRun(Iterator[Tensor]):
         return table
 
     def _run_window(self) -> None:
-        group = self._next_window()
-        if not group:
+        window = self._gather()
+        if window is None:
             raise StopIteration
-        pipe = self.pipe
-        k, m, n = len(pipe._stages), len(group[0][0]), len(group)
-        schedule = build_stream(k, m, n, flush=self.consistency == "sync")
+        m, n = window.microbatches, window.minibatches
+        schedule = build_stream(self.num_stages, m, n, flush=self.consistency == "sync")
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
         weights = {s: StageWeights(st.params, self.consistency, {i: lags[(s, i)] for i in range(m * n)}, m,
                                    self._predictor(st.params, lrs))
-                   for s, st in enumerate(pipe._stages)}
+                   for s, st in self.stages.items()}
         bound = weight_versions(schedule)[self.consistency]
-        for s, st in enumerate(pipe._stages):
+        for s, st in self.stages.items():
             nbytes = sum(p.numel() * p.element_size() for p in st.params)
             self.weight_copy_bound[s] = max(self.weight_copy_bound[s], bound[s] * nbytes)
-        mode = pipe.checkpoint if pipe.training else "never"
+        mode = self.checkpoint_mode if self.pipe.training else "never"
 
         def checkpoint(i: int) -> bool:
             return mode == "always" or (mode == "except_last" and i % m != m - 1)
 
-        targets = [t for _, ts, _ in group for t in ts]
-        factors = [w for _, _, ws in group for w in ws]
-        runner = StreamRunner(
-            dict(enumerate(pipe._stages)), k,
-            LocalTransport([st.device for st in pipe._stages], force_copy=pipe._runtime.copy_same_device),
-            StepState(schedule, CallerState.capture(), draw_step_seed()), checkpoint=checkpoint,
-            loss=LossSpec(self.loss_fn, targets, factors), weights=weights, minibatch_size=m,
-            apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i]),
-        )
-        pipe._start_timeline(pipe.trace if self.trace is None else self.trace, k)
-        runner.feed([v for mbs, _, _ in group for v in mbs])
+        def make_runner(stages: Mapping[int, Stage], num_stages: int, transport: Transport,
+                        state: StepState) -> StreamRunner:
+            return StreamRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
+                                loss=LossSpec(self.loss_fn, window.targets, window.factors), weights=weights,
+                                minibatch_size=m, apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i]))
+
+        losses = self._execute(schedule, window, make_runner)
+        for s, w in weights.items():
+            self.weight_copy_bytes[s] = max(self.weight_copy_bytes[s], w.peak_copy_bytes)
+        self._pending.extend(losses)
+
+    def _execute(self, schedule: Schedule, window: Window, make_runner: RunnerFactory) -> list[Tensor]:
+        """Run one window on the local runtime; returns each mini-batch's loss."""
+        pipe: Any = self.pipe
+        devices = [st.device for st in self.stages.values()]
+        transport = LocalTransport(devices, force_copy=pipe._runtime.copy_same_device)
+        runner = make_runner(self.stages, self.num_stages, transport,
+                             StepState(schedule, CallerState.capture(), window.seed))
+        pipe._start_timeline(pipe.trace if self.trace is None else self.trace, self.num_stages)
+        runner.feed(window.inputs)
         try:
             pipe._runtime._execute(schedule, ("F", "BW", "U"), runner, "fit")
         finally:
             runner.state.tasks.clear()
-        for s, w in weights.items():
-            self.weight_copy_bytes[s] = max(self.weight_copy_bytes[s], w.peak_copy_bytes)
-        with torch.no_grad():
-            for j, (_, _, ws) in enumerate(group):
-                losses = [cast(Tensor, runner.results[j * m + i]) for i in range(m)]
-                self._pending.append(torch.stack([w * loss for w, loss in zip(ws, losses)]).sum())
+        return window.losses(runner.results)
 
     # -- the optimizer, one stage at a time --------------------------------------------
 
     def _apply(self, stage: int, grads: Sequence[Tensor | None], lrs: list[float]) -> None:
         """The optimizer step of one stage: its gradients in, clip (per stage), step, out."""
-        params = self.pipe._stages[stage].params
+        params = self.stages[stage].params
         groups = self.optimizer.param_groups
         with self._lock:
             accumulate_grads(params, grads)  # parameter hooks see the mini-batch's gradient once
@@ -244,12 +284,20 @@ class FitRun(Iterator[Tensor]):
         return predict
 
 
-def fit(pipe: Pipe, batches: Iterable[tuple[Value, Any]], loss_fn: Callable[[Any, Any], Tensor],
+def fit(pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
         optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
         max_grad_norm: float | None = None, window: int = 8, trace: bool | None = None) -> FitRun:
     """Train ``pipe`` on ``batches``; the documented entry point behind :meth:`fastpipe.Pipe.fit`.
 
-    See :meth:`fastpipe.Pipe.fit` for the arguments.
+    ``pipe`` is a :class:`fastpipe.Pipe` or a :class:`fastpipe.DistributedPipe`. See
+    :meth:`fastpipe.Pipe.fit` for the arguments.
     """
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    if isinstance(pipe, DistributedPipe):
+        from fastpipe.asynchronous.distributed import DistributedFitRun
+
+        return DistributedFitRun(pipe, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                                 max_grad_norm=max_grad_norm, window=window, trace=trace)
     return FitRun(pipe, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
                   max_grad_norm=max_grad_norm, window=window, trace=trace)

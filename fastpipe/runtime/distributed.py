@@ -35,7 +35,9 @@ from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Action, Schedule, ScheduleError
 from fastpipe.schedule.ordered import Message, Step, check_ordered, inputs, plan
 
-__all__ = ["DistributedRuntime", "StepOutcome", "DEFAULT_TIMEOUT"]
+__all__ = ["DistributedRuntime", "StepOutcome", "DEFAULT_TIMEOUT", "RunnerFactory"]
+
+RunnerFactory = Callable[[Mapping[int, Stage], int, Any, StepState], StepRunner]
 
 _SHOWN_WAIT = 1e-4  # seconds: shorter waits for a peer's value stay out of the timeline
 
@@ -205,12 +207,14 @@ class DistributedRuntime:
 
     def train(self, schedule: Schedule, microbatches: Sequence[Value] | None, loss: LossSpec, *,
               checkpoint: Callable[[int], bool], caller: CallerState | None = None,
-              step_seed: int = 0) -> StepOutcome:
+              step_seed: int = 0, runner_factory: RunnerFactory | None = None) -> StepOutcome:
         """Run this rank's actions of one step; the loss comes back on every rank.
 
         Args:
             microbatches: the input micro-batches on stage 0's rank, None elsewhere.
             loss: the loss; its targets matter on the last stage's rank only.
+            runner_factory: makes the action handlers from (stages, num_stages, transport, state);
+                default a :class:`StepRunner` (``fastpipe.asynchronous`` adds updates).
         """
         if self.watchdog.failure is not None:
             raise self.watchdog.failure
@@ -219,8 +223,9 @@ class DistributedRuntime:
                              f"on a group of {self.size} ranks holding {self.num_stages} stages")
         self.steps += 1
         state = StepState(schedule, caller or CallerState.capture(), step_seed)
-        runner = StepRunner(self.stages, self.num_stages, self.transport, state, grad=True,
-                         checkpoint=checkpoint, loss=loss)
+        runner = (StepRunner(self.stages, self.num_stages, self.transport, state, grad=True,
+                             checkpoint=checkpoint, loss=loss) if runner_factory is None
+                  else runner_factory(self.stages, self.num_stages, self.transport, state))
         actions = schedule.workers[self.rank]
         steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}

@@ -1,0 +1,124 @@
+"""``DistributedPipe.fit``: the same stream, one process per stage (``torchrun``).
+
+Every rank iterates its own ``batches`` in step (e.g. the same DataLoader with the same
+seed): stage 0's rank reads the inputs, the last stage's rank the targets, other ranks only
+count. Stage 0's rank decides each window (how many mini-batches, their micro-batch sizes
+and the dropout seed) and broadcasts it; the last stage's rank broadcasts the window's
+losses, so every rank yields the same losses. Every wait is bounded by the pipe's
+``timeout`` and a failing or dead rank makes the others raise
+:class:`~fastpipe.PipelineError`, as in ``train_step`` (the runtime's watchdog).
+
+Not yet supported: data parallelism (``dp_group``; the per-stage updates would need a
+gradient all-reduce per mini-batch) and virtual stages (more than one stage per rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from fastpipe.asynchronous.fit import FitRun, RunnerFactory, Window
+from fastpipe.runtime.local import LossSpec, StepRunner
+from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule
+from fastpipe.trace import Timeline
+
+__all__ = ["DistributedFitRun"]
+
+
+class DistributedFitRun(FitRun):
+    """:class:`FitRun` over a :class:`~fastpipe.DistributedPipe`'s runtime; call ``fit`` on every rank."""
+
+    def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
+        if pipe.dp_group is not None:
+            raise ValueError("fastpipe: DistributedPipe.fit does not support data parallelism (dp_group) yet; "
+                             "use train_step with optimizer.step()")
+        if len(pipe.balance) != pipe._runtime.size:
+            raise ValueError(f"fastpipe: DistributedPipe.fit runs one stage per rank; {len(pipe.balance)} stages on "
+                             f"{pipe._runtime.size} ranks need virtual stages, which fit does not support")
+        super().__init__(pipe, *args, **kwargs)
+        self.runtime: Any = pipe._runtime
+
+    def _fail(self, exc: BaseException) -> None:
+        runtime = self.runtime
+        stages = ",".join(str(s) for s in self.stages)
+        runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stages}) raised {type(exc).__name__}: {exc}")
+
+    def _broadcast(self, values: Tensor, src: int, what: str) -> Tensor:
+        runtime = self.runtime
+        buf = values.to(runtime.comm_device)
+        work = torch.distributed.broadcast(buf, src=runtime._global(src), group=runtime.group, async_op=True)
+        runtime._collective(work, what)
+        return buf.cpu()
+
+    def _gather(self) -> Window | None:
+        runtime = self.runtime
+        first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
+        runtime.watchdog.check()
+        head = torch.zeros(3, dtype=torch.int64)
+        window: Window | None = None
+        if first:
+            try:
+                window = super()._gather()
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+            if window is not None:
+                head = torch.tensor([window.minibatches, window.microbatches, window.seed], dtype=torch.int64)
+        n, m, seed = (int(v) for v in self._broadcast(head, runtime.first_rank, "the window's shape"))
+        if n == 0:
+            return None
+        sizes = torch.tensor(window.sizes if window is not None else [0] * (n * m), dtype=torch.int64)
+        sizes_list = [int(v) for v in self._broadcast(sizes, runtime.first_rank, "the micro-batch sizes")]
+        if first:
+            assert window is not None
+            if last:
+                return window
+            return Window(n, m, seed, window.inputs, [None] * (n * m), sizes_list, window.factors)
+        targets: list[Any] = []
+        try:
+            for _ in range(n):
+                item = next(self._it, None)
+                if item is None:
+                    raise ValueError(f"fastpipe: rank {runtime.global_rank}'s batches ran out before stage 0's; "
+                                     "every rank must iterate as many mini-batches (e.g. the same DataLoader)")
+                if last:
+                    _, ts, got = self._split(item, need_input=False)
+                    if got != sizes_list[len(targets):len(targets) + m]:
+                        raise ValueError(f"fastpipe: target micro-batch sizes {got} differ from the input's "
+                                         f"{sizes_list[len(targets):len(targets) + m]}")
+                    targets += ts
+            if not last:
+                targets = [None] * (n * m)
+            factors = [f for j in range(n) for f in self._factors(sizes_list[j * m:(j + 1) * m])]
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        return Window(n, m, seed, [], targets, sizes_list, factors)
+
+    def _execute(self, schedule: Schedule, window: Window, make_runner: RunnerFactory) -> list[Tensor]:
+        runtime, pipe = self.runtime, cast(Any, self.pipe)
+        made: list[StepRunner] = []
+
+        def factory(*args: Any) -> StepRunner:
+            made.append(make_runner(*args))
+            return made[-1]
+
+        timeline = Timeline(runtime.size) if self.trace else None
+        runtime.recorder = timeline.record if timeline is not None else None
+        pipe.last_timeline = timeline
+        first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
+        runtime.train(schedule, window.inputs if first else None, LossSpec(self.loss_fn, window.targets,
+                                                                          window.factors),
+                      checkpoint=lambda i: False, caller=CallerState.capture(), step_seed=window.seed,
+                      runner_factory=factory)
+        buf = torch.zeros(window.minibatches, dtype=torch.float64)
+        dtype = torch.get_default_dtype()
+        if last:
+            losses = window.losses(made[0].results)
+            buf = torch.stack(losses).double()
+            dtype = losses[0].dtype
+        buf = self._broadcast(buf, runtime.last_rank, "the window's losses")
+        return [v.to(dtype) for v in buf]
