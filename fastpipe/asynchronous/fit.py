@@ -74,9 +74,9 @@ class FitRun(Iterator[Tensor]):
             window's stream needs at once, times the stage's parameter bytes).
     """
 
-    def __init__(self, pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
-                 optimizer: torch.optim.Optimizer, *, consistency: str, scheduler: Any, max_grad_norm: float | None,
-                 window: int, trace: bool | None) -> None:
+    def __init__(self, pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]],
+                 loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer, *, consistency: str,
+                 scheduler: Any, max_grad_norm: float | None, window: int, trace: bool | None) -> None:
         if consistency not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

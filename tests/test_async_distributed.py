@@ -1,0 +1,99 @@
+"""DistributedPipe.fit: the same losses and weights as Pipe.fit, and a dead rank becomes PipelineError in time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist_utils import check_ok, run_ranks
+from torch import nn
+
+from fastpipe import Pipe
+
+BOUND = 4.0  # the runtime's timeout in the fault test, in seconds
+
+
+class Trap(nn.Module):
+    """Identity until its ``calls``-th forward, where the process dies."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls, self.seen = calls, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        if self.seen == self.calls:
+            os._exit(1)
+        return x
+
+
+def model(trap: int = 0) -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         Trap(trap) if trap else nn.Identity(), nn.Linear(16, 4))
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)) for _ in range(5)]
+
+
+def _fit(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(model(), [2, 4], chunks=2, checkpoint="except_last")
+    opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    batches = [(x if rank == 0 else None, y if rank == 1 else None) for x, y in data()]
+    run = pipe.fit(batches, nn.MSELoss(), opt, consistency="predict", scheduler=sched, window=2)
+    losses = [loss.item() for loss in run]
+    pipe.close()
+    return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+            "copies": run.weight_copy_bytes}
+
+
+def test_distributed_fit_equals_local_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The order-matched transport (what NCCL runs) must also carry the stream's plan, U actions included;
+    # the tag-matched one runs in the fault test below.
+    monkeypatch.setenv("FASTPIPE_P2P", "ordered")
+    outcomes = check_ok(run_ranks(_fit, 2, timeout=90))
+    pipe = Pipe(model(), balance=[2, 4], chunks=2, checkpoint="except_last")
+    opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    run = pipe.fit(data(), nn.MSELoss(), opt, consistency="predict", scheduler=sched, window=2)
+    losses = [loss.item() for loss in run]
+    assert outcomes[0]["losses"] == outcomes[1]["losses"] == losses
+    state = pipe.state_dict()
+    for rank, outcome in enumerate(outcomes):
+        for k, v in outcome["state"].items():
+            assert torch.equal(v, state[k]), (rank, k)
+        assert outcome["copies"] == {rank: run.weight_copy_bytes[rank]}
+    assert run.weight_copy_bytes[0] > 0  # stage 0 ran on predictions
+
+
+def _dies(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(model(trap=9), [2, 4], chunks=2, checkpoint="never", timeout=BOUND)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    start = time.monotonic()
+    try:
+        for _ in pipe.fit(data(), nn.MSELoss(), opt, consistency="stash", window=5):
+            pass
+    except BaseException as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    finally:
+        pipe.close()
+    return {"type": None}
+
+
+def test_dead_rank_mid_stream_becomes_pipeline_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTPIPE_P2P", raising=False)
+    outcomes = run_ranks(_dies, 2, timeout=60)
+    assert "died" in outcomes[1]
+    result = outcomes[0]["ok"]
+    assert result["type"] == "PipelineError", result
+    assert "rank 1" in result["message"], result["message"]
+    assert result["elapsed"] < BOUND + 2.0, result
