@@ -5,11 +5,14 @@
    micro-batches (F = 1, B = 2 per stage and micro-batch). The limit of the gain is
    (M + K - 1) / M. ``Pipe.fit`` drains every ``window`` mini-batches; the table gives the
    gain with that drain too.
-2. Measured on CPU, K = 2 stages (one thread each), M = 4: mini-batches per second of
+2. Measured on CPU, K = 2 stages (one thread each), M = 4: time per mini-batch of
    ``train_step`` (1F1B) + ``optimizer.step()``, of ``fit(consistency="sync")`` and of
    ``fit`` with each asynchronous policy, timed in alternating rounds in one run. Reported:
    the median over rounds of each method's time per mini-batch divided by the same round's
-   sync 1F1B time (so drift between rounds cancels).
+   sync 1F1B time (so drift between rounds cancels). ``--workload mlp`` trains residual MLP
+   blocks (bench/workload.py); ``--workload sleep`` gives every stage fixed costs
+   (F = 10 ms, B = 20 ms per micro-batch, sleeping: no CPU used), which measures the schedule
+   and the runtime apart from CPU contention on a shared machine.
 
 Usage::
 
@@ -62,19 +65,49 @@ def _print_simulated(rows: list[dict[str, Any]], window: int) -> None:
               f"{r['limit']:>10.3f} {r[f'gain_window_{window}']:>11.3f}")
 
 
-def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int) -> dict[str, Any]:
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.010)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.020)
+        return grad, torch.zeros(grad.shape[-1])
+
+
+class SleepStage(nn.Module):
+    """A layer with fixed costs: F = 10 ms, B = 20 ms per call, spent sleeping."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight)
+
+
+def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int, workload: str) -> dict[str, Any]:
     """Paired time per mini-batch on 2 CPU stages; see the module docstring."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(batch, HIDDEN, generator=g), torch.randn(batch, HIDDEN, generator=g))
+    width = HIDDEN if workload == "mlp" else 4
+    data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
             for _ in range(window)]
+    if workload == "sleep":
+        blocks = 2
+
+    def build() -> nn.Sequential:
+        return make_model(blocks) if workload == "mlp" else nn.Sequential(SleepStage(width), SleepStage(width))
+
     half = blocks // 2
     pipes: dict[str, Pipe] = {}
     opts: dict[str, torch.optim.Optimizer] = {}
     methods: dict[str, Callable[[], None]] = {}
 
     def add(name: str, consistency: str | None) -> None:
-        pipe = Pipe(make_model(blocks), balance=[half, blocks - half], chunks=chunks)
+        pipe = Pipe(build(), balance=[half, blocks - half], chunks=chunks, checkpoint="never")
         opt = torch.optim.Adam(pipe.parameters(), lr=1e-5)
         pipes[name], opts[name] = pipe, opt
 
@@ -110,7 +143,8 @@ def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int) -> 
                         "per_round_s": ts}
     for pipe in pipes.values():
         pipe.close()
-    return {"K": 2, "M": chunks, "window": window, "blocks": blocks, "batch": batch, "rounds": rounds,
+    return {"workload": workload, "K": 2, "M": chunks, "window": window, "blocks": blocks, "batch": batch,
+            "rounds": rounds,
             "limit": (chunks + 1) / chunks, "limit_with_drain": window * (chunks + 1) / (window * chunks + 1),
             "methods": result}
 
@@ -119,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--window", type=int, default=16, help="mini-batches per drain in fit (and per round)")
+    parser.add_argument("--workload", choices=("mlp", "sleep"), default="mlp")
     parser.add_argument("--blocks", type=int, default=4, help="residual MLP blocks (bench/workload.py)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=4)
@@ -129,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     _print_simulated(rows, args.window)
     out: dict[str, Any] = {"simulated": rows}
     if not args.skip_measure:
-        m = measured(args.rounds, args.window, args.blocks, args.batch, args.chunks)
+        m = measured(args.rounds, args.window, args.blocks, args.batch, args.chunks, args.workload)
         out["measured"] = m
-        print(f"\nmeasured, K=2 CPU stages, M={m['M']}, window={m['window']}, {m['rounds']} rounds "
+        print(f"\nmeasured ({m['workload']}), K=2 CPU stages, M={m['M']}, window={m['window']}, {m['rounds']} rounds "
               f"(limit {m['limit']:.3f}x, {m['limit_with_drain']:.3f}x with one drain per window)")
         for name, r in m["methods"].items():
             print(f"  {name:<32} {r['median_s_per_minibatch'] * 1e3:8.1f} ms/mini-batch   "
