@@ -199,6 +199,9 @@ class Timeline:
             parsed = _parse(e.action)
             colour = _COMM_COLOUR if e.kind in _COMM else _COLOURS.get(e.kind, "#8172b2")
             height = 0.4 if e.kind in _COMM else 0.8
+            if e.kind == "U" and e.duration < span / 200:  # an update too short to see: a tick at its time
+                ax.vlines(e.start - origin, e.worker - 0.45, e.worker + 0.45, colors=colour, linewidth=2)
+                continue
             ax.broken_barh([(e.start - origin, e.duration)], (e.worker - height / 2, height),
                            facecolors=colour, edgecolors="black", linewidth=0.3)
             if parsed is not None and e.kind not in _COMM and e.duration > span / 200:

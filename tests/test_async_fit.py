@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.asynchronous import update_direction
+from fastpipe.asynchronous import update_direction, weight_copy_bytes
 
 
 def model(seed: int = 3) -> nn.Sequential:
@@ -239,6 +239,25 @@ def test_weight_copy_bytes_match_the_schedule() -> None:
         list(run)
         assert list(run.weight_copy_bound.values()) == [c * n for c, n in zip(copies, sizes)]
         assert run.weight_copy_bytes == run.weight_copy_bound
+        assert weight_copy_bytes(pipe)[consistency] == run.weight_copy_bound  # without running
+
+
+def test_an_error_in_a_window_propagates_and_the_pipe_stays_usable() -> None:
+    pipe = Pipe(model(), balance=[2, 2, 3], chunks=2)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    calls = []
+
+    def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("bad loss")
+        return nn.functional.mse_loss(out, y)
+
+    with pytest.raises(RuntimeError, match="bad loss"):
+        list(pipe.fit(data(4), loss_fn, opt, consistency="stash", window=4))
+    assert all(p.grad is None for p in pipe.parameters())  # no half-applied gradient left behind
+    x, y = data(1)[0]
+    assert torch.isfinite(pipe.train_step(x, y, nn.MSELoss()))
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ arguments). Consistency policies: :data:`POLICIES`; see
 
 from fastpipe.asynchronous.direction import SUPPORTED, check_predictable, update_direction
 from fastpipe.asynchronous.fit import FitRun, fit
+from fastpipe.asynchronous.memory import weight_copy_bytes
 from fastpipe.asynchronous.weights import POLICIES
 
-__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "update_direction"]
+__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "update_direction", "weight_copy_bytes"]

@@ -12,6 +12,7 @@ Example::
 from fastpipe.schedule.builders import SCHEDULES, build
 from fastpipe.schedule.ir import Action, ActionKind, Schedule, ScheduleError
 from fastpipe.schedule.simulate import simulate, simulate_times
+from fastpipe.schedule.stream import build_stream, update_lag, weight_versions
 from fastpipe.trace import Timeline, TimelineEvent
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "build",
+    "build_stream",
     "simulate",
     "simulate_times",
+    "update_lag",
+    "weight_versions",
 ]

@@ -1,0 +1,32 @@
+"""Bytes of weight copies each consistency policy holds per stage, read from the schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastpipe.asynchronous.weights import POLICIES
+from fastpipe.schedule.stream import build_stream, weight_versions
+
+__all__ = ["weight_copy_bytes"]
+
+
+def weight_copy_bytes(pipe: Any, chunks: int | None = None) -> dict[str, dict[int, int]]:
+    """Per policy, per stage: the most bytes of weight copies ``fit`` holds at once in steady state.
+
+    ``stash`` keeps the versions that updates superseded while micro-batches that ran on
+    them are in flight (at most K versions with the live one), ``predict`` one predicted copy
+    per (mini-batch, version seen) in flight with a lag, ``sync`` and ``stale`` none (see
+    :func:`fastpipe.schedule.stream.weight_versions`). Counted for this process's stages
+    (all of them for a :class:`fastpipe.Pipe`); optimizer state is never copied.
+
+    Args:
+        pipe: a :class:`fastpipe.Pipe` or :class:`fastpipe.DistributedPipe`.
+        chunks: micro-batches per mini-batch; default the pipe's ``chunks``.
+    """
+    stages: Any = pipe._stages
+    owned = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
+    k = len(pipe.balance)
+    m = pipe.chunks if chunks is None else chunks
+    versions = weight_versions(build_stream(k, m, k + 2, flush=False))  # K + 2 mini-batches reach steady state
+    sizes = {s: sum(p.numel() * p.element_size() for p in st.params) for s, st in owned.items()}
+    return {policy: {s: versions[policy][s] * sizes[s] for s in owned} for policy in POLICIES}
