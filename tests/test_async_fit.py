@@ -103,13 +103,15 @@ class _Probe(torch.autograd.Function):
         return grad * w, (grad * x).sum(0), None
 
 
-def probe_run(consistency: str, steps: int = 6) -> tuple[dict[str, list[Tensor]], list[Tensor]]:
+def probe_run(consistency: str, steps: int = 6) -> tuple[dict[str, list[Tensor]], list[tuple[Tensor, Tensor]]]:
+    """K=3 stages, M=1; returns the probe's log and, per update of stage 0, (weights before it, its gradient)."""
     log: dict[str, list[Tensor]] = {"forward": [], "backward": []}
     torch.manual_seed(0)
     seq = nn.Sequential(Probe(log), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     pipe = Pipe(seq, balance=[1, 1, 2], chunks=1, checkpoint="never")
-    live: list[Tensor] = []
-    seq[0].weight.register_post_accumulate_grad_hook(lambda p: live.append(p.detach().clone()))
+    live: list[tuple[Tensor, Tensor]] = []
+    seq[0].weight.register_post_accumulate_grad_hook(
+        lambda p: live.append((p.detach().clone(), p.grad.detach().clone())))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
     list(pipe.fit(data(steps), nn.MSELoss(), opt, consistency=consistency, window=steps))
     return log, live
@@ -137,6 +139,21 @@ def test_stash_keeps_the_version_it_ran_on() -> None:
     assert torch.equal(log["forward"][0], w0) and torch.equal(log["forward"][1], w0)
     assert torch.equal(log["forward"][2], w0)  # U0 lands after F2 on stage 0 (2 warm-up forwards)
     assert not torch.equal(log["forward"][3], w0)
+
+
+def test_predict_forward_weights_by_hand() -> None:
+    # Stage 0 of K=3 at M=1 runs F0 F1 F2 BW0 U0 F3 BW1 U1 F4 ...: micro-batch m's forward sees
+    # t = max(m - 2, 0) updates, and its gradient is applied by the (m+1)-th: lag min(m, 2).
+    # Predicted: W_t - lr * lag * v_t, with v_t SGD's momentum buffer after t updates (none at t = 0).
+    log, live = probe_run("predict")
+    lr, mu = 0.5, 0.9
+    buffers: list[Tensor] = []
+    for _, g in live:
+        buffers.append(g.clone() if not buffers else buffers[-1] * mu + g)
+    for m, seen in enumerate(log["forward"]):
+        t, lag = max(m - 2, 0), min(m, 2)
+        expected = live[t][0] if t == 0 else live[t][0] - (lr * lag) * buffers[t - 1]
+        torch.testing.assert_close(seen, expected, rtol=1e-6, atol=1e-7, msg=f"micro-batch {m}")
 
 
 def test_predict_runs_ahead_of_the_live_weights() -> None:
