@@ -343,7 +343,8 @@ class Pipe(nn.Module):
                 ``optimizer.step()``), ``"stale"``, ``"stash"`` or ``"predict"`` (see
                 :mod:`fastpipe.asynchronous`).
             scheduler: an ``LRScheduler`` of ``optimizer``, stepped once per mini-batch; every
-                stage's update of mini-batch n uses the n-th learning rate.
+                stage's update of mini-batch n uses the n-th learning rate. It is stepped a
+                window at a time, as the window starts (at a drained point it is exact).
             max_grad_norm: clip each *stage's* gradient norm to this (per stage, not global:
                 stages update at different times).
             window: mini-batches between drains.
