@@ -299,3 +299,22 @@ def test_fit_on_cuda_stages(consistency: str) -> None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
         for p, q in zip(pipe.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:fastpipe. a batch of 2 samples")
+def test_a_short_mini_batch_runs_in_its_own_window() -> None:
+    # 12 rows make 4 micro-batches, 2 rows only 2: the stream's M changes, so the short one gets a window.
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)) for n in (12, 12, 2, 12)]
+    ref = Pipe(model(), balance=[3, 4], chunks=4)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        expected.append(ref.train_step(x, y, nn.MSELoss()))
+        opt.step()
+    pipe = Pipe(model(), balance=[3, 4], chunks=4)
+    opt2 = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = list(pipe.fit(batches, nn.MSELoss(), opt2, consistency="sync", window=8))
+    assert len(losses) == 4 and all(torch.equal(a, b) for a, b in zip(losses, expected))
+    assert list(pipe.fit([], nn.MSELoss(), opt2)) == []
