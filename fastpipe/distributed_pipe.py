@@ -290,7 +290,8 @@ class DistributedPipe(nn.Module):
 
         Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
         reads the inputs, the last rank the targets) and its optimizer over its parameters;
-        every rank yields the same losses.
+        every rank yields the same losses. With data parallelism each stage's update averages
+        its gradient over the replicas first.
         """
         from fastpipe.asynchronous.fit import fit
 

@@ -97,3 +97,40 @@ def test_dead_rank_mid_stream_becomes_pipeline_error(monkeypatch: pytest.MonkeyP
     assert result["type"] == "PipelineError", result
     assert "rank 1" in result["message"], result["message"]
     assert result["elapsed"] < BOUND + 2.0, result
+
+
+def _pp_dp(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    half = slice(mesh.get_local_rank("dp") * 6, mesh.get_local_rank("dp") * 6 + 6)  # each replica: half a batch
+    out = {}
+    for consistency in ("sync", "predict"):
+        pipe = DistributedPipe(model(), [2, 4], chunks=2, mesh=mesh, timeout=20)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        batches = [(x[half] if pipe.is_first else None, y[half] if pipe.is_last else None) for x, y in data()]
+        losses = [loss.item() for loss in pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency, window=3)]
+        out[consistency] = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+        pipe.close()
+    return out
+
+
+def test_pipeline_times_data_parallel_fit() -> None:
+    outcomes = check_ok(run_ranks(_pp_dp, 4, timeout=120))
+    # sync on 2 replicas of half batches = sync on the whole batch (micro-batches of 3 rows either way)
+    pipe = Pipe(model(), balance=[2, 4], chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = [loss.item() for loss in pipe.fit(data(), nn.MSELoss(), opt, consistency="sync")]
+    state = pipe.state_dict()
+    for outcome in outcomes:
+        assert outcome["sync"]["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in outcome["sync"]["state"].items():
+            torch.testing.assert_close(v, state[k], rtol=1e-5, atol=1e-6)
+    # predict: the replicas of a stage hold the same weights, and every rank saw the same losses
+    mesh_ranks = {0: [0, 1], 1: [2, 3]}  # pp x dp, row-major: ranks 0, 1 hold stage 0
+    for stage, ranks in mesh_ranks.items():
+        a, b = (outcomes[r]["predict"]["state"] for r in ranks)
+        assert all(torch.equal(a[k], b[k]) for k in a), stage
+    assert outcomes[0]["predict"]["losses"] == outcomes[2]["predict"]["losses"]

@@ -8,12 +8,15 @@ losses, so every rank yields the same losses. Every wait is bounded by the pipe'
 ``timeout`` and a failing or dead rank makes the others raise
 :class:`~fastpipe.PipelineError`, as in ``train_step`` (the runtime's watchdog).
 
-Not yet supported: data parallelism (``dp_group``; the per-stage updates would need a
-gradient all-reduce per mini-batch) and virtual stages (more than one stage per rank).
+With data parallelism (``dp_group`` or a 2-D ``mesh``) each update first averages its
+stage's mini-batch gradient over the replicas (a bucketed all-reduce, bounded like every
+other wait), and the yielded losses are the replicas' mean; every replica must iterate as
+many mini-batches. Not supported: virtual stages (more than one stage per rank).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -32,9 +35,6 @@ class DistributedFitRun(FitRun):
     """:class:`FitRun` over a :class:`~fastpipe.DistributedPipe`'s runtime; call ``fit`` on every rank."""
 
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
-        if pipe.dp_group is not None:
-            raise ValueError("fastpipe: DistributedPipe.fit does not support data parallelism (dp_group) yet; "
-                             "use train_step with optimizer.step()")
         if len(pipe.balance) != pipe._runtime.size:
             raise ValueError(f"fastpipe: DistributedPipe.fit runs one stage per rank; {len(pipe.balance)} stages on "
                              f"{pipe._runtime.size} ranks need virtual stages, which fit does not support")
@@ -121,4 +121,19 @@ class DistributedFitRun(FitRun):
             buf = torch.stack(losses).double()
             dtype = losses[0].dtype
         buf = self._broadcast(buf, runtime.last_rank, "the window's losses")
+        if runtime.dp_group is not None:
+            buf = buf.to(runtime.comm_device)
+            work = torch.distributed.all_reduce(buf, group=runtime.dp_group, async_op=True)
+            runtime._collective(work, "the data-parallel loss all-reduce")
+            buf = buf.cpu() / torch.distributed.get_world_size(runtime.dp_group)
         return [v.to(dtype) for v in buf]
+
+    def _apply(self, stage: int, grads: Sequence[Tensor | None], lrs: list[float]) -> None:
+        """Average the stage's mini-batch gradient over the data-parallel replicas, then step."""
+        runtime = self.runtime
+        if runtime.dp_group is not None:
+            grads = list(grads)  # unused parameters get zeros: the replicas must agree on the layout
+            for _, work, flat, index in runtime._start_reduce(stage, grads):
+                runtime._collective(work, f"the data-parallel gradient all-reduce of stage {stage}")
+                runtime._finish_reduce(grads, flat, index)
+        super()._apply(stage, grads, lrs)
