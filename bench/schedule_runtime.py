@@ -32,12 +32,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_json  # noqa: E402
-from workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
-
 from fastpipe import Pipe  # noqa: E402
 from fastpipe.balance import plan, profile_layers  # noqa: E402
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
 from fastpipe.schedule import build, simulate  # noqa: E402
 from fastpipe.trace import Timeline  # noqa: E402
 
