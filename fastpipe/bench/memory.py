@@ -11,8 +11,9 @@ batch:
   with ``fastpipe.kernels.MLPBlock``, whose recomputed block saves about half.
 
 The largest block count N under a memory budget C is then
-``N (state + kept) + transient ≤ C``. On a GPU the budget is 90% of the device's memory and the
-prediction is checked against ``torch.cuda.max_memory_allocated`` of a real step at a small N;
+``N (state + kept) + transient ≤ C``: a bound, as if every state and activation were alive at
+once (in a real step the gradients grow while the activations are freed). On a GPU the budget
+is 90% of the device's memory and the prediction is checked against ``torch.cuda.max_memory_allocated`` of a real step at a small N;
 on CPU (no device limit) the figures are the saved bytes, and the block counts are for a stated
 16 GiB budget.
 """
@@ -72,15 +73,23 @@ def _largest(b: dict[str, int], budget: float) -> int:
 
 
 def _measured_peak(mode: str, blocks: int, hidden: int, ffn: int, batch: int, device: torch.device) -> int:
-    """Bytes allocated at the peak of a forward + backward + AdamW step, above what was there before."""
+    """Peak bytes allocated during a steady-state step (forward, backward, AdamW), above what was there before.
+
+    The second step is measured, when AdamW's moments already exist, as in every later step;
+    ``foreach=False`` keeps the optimizer's temporaries to one parameter's size.
+    """
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     model = _model(mode, blocks, hidden, ffn, device)
-    opt = torch.optim.AdamW(model.parameters())
-    torch.cuda.reset_peak_memory_stats(device)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
     x = torch.randn(batch, hidden, device=device)
-    model(x).square().mean().backward()
-    opt.step()
+    for i in range(2):
+        if i == 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del model, opt, x

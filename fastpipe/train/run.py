@@ -140,11 +140,16 @@ def sample_text(pipe: Pipe, head: LMHead, prompt: str, chars: int, seq_len: int,
     """``chars`` characters after ``prompt``, drawn at temperature 0.8 from the model."""
     g = torch.Generator().manual_seed(seed)
     ids = encode(prompt)[None]
-    for _ in range(chars):
-        h = _forward_layers(pipe, ids[:, -seq_len:])
-        logits = head.logits(h[:, -1].float()).float().cpu()
-        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g)
-        ids = torch.cat([ids, nxt], dim=1)
+    was_training = pipe.training
+    pipe.eval()  # no dropout while sampling
+    try:
+        for _ in range(chars):
+            h = _forward_layers(pipe, ids[:, -seq_len:])
+            logits = head.logits(h[:, -1].float()).float().cpu()
+            nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g)
+            ids = torch.cat([ids, nxt], dim=1)
+    finally:
+        pipe.train(was_training)
     return prompt + decode(ids[0, len(prompt):])
 
 
