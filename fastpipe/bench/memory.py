@@ -14,8 +14,8 @@ The largest block count N under a memory budget C is then
 ``N (state + kept) + transient ≤ C``: a bound, as if every state and activation were alive at
 once (in a real step the gradients grow while the activations are freed). On a GPU the budget
 is 90% of the device's memory and the prediction is checked against
-``torch.cuda.max_memory_allocated`` of a real step at a small N; on CPU (no device limit) the figures are the saved bytes, and the block counts are for a stated
-16 GiB budget.
+``torch.cuda.max_memory_allocated`` of a real step at a small N; on CPU (no device limit) the
+figures are the saved bytes, and the block counts are for a stated 16 GiB budget.
 """
 
 from __future__ import annotations
