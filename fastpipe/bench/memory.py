@@ -97,43 +97,52 @@ def _measured_peak(mode: str, blocks: int, hidden: int, ffn: int, batch: int, de
     return peak
 
 
-def run_memory(hidden: int, ffn: int, batch: int, check_blocks: int = 4) -> dict[str, Any]:
-    """Per-block bytes, the largest model per mode, and its ratio to plain."""
+def run_memory(hidden: int, ffn: int, batches: list[int], check_blocks: int = 4) -> dict[str, Any]:
+    """Per-block bytes, the largest model per mode and batch, and its ratio to plain."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     budget = 0.9 * torch.cuda.get_device_properties(device).total_memory if cuda else _CPU_BUDGET
     rows = []
-    for mode in _MODES:
-        b = _per_block(mode, hidden, ffn, batch, device)
-        row: dict[str, Any] = {"mode": mode, **{f"{k}_bytes" if k != "params" else k: v for k, v in b.items()},
-                               "largest_blocks": _largest(b, budget)}
-        if cuda:
-            predicted = check_blocks * (b["state"] + b["kept"]) + b["transient"]
-            measured = _measured_peak(mode, check_blocks, hidden, ffn, batch, device)
-            row.update(check_blocks=check_blocks, predicted_peak_bytes=predicted, measured_peak_bytes=measured)
-        rows.append(row)
-    plain = rows[0]["largest_blocks"] or 1
-    for row in rows:
-        row["ratio_to_plain"] = row["largest_blocks"] / plain
+    for batch in batches:
+        plain = 1
+        for mode in _MODES:
+            b = _per_block(mode, hidden, ffn, batch, device)
+            row: dict[str, Any] = {"batch": batch, "mode": mode, "params": b["params"], "state_bytes": b["state"],
+                                   "kept_bytes": b["kept"], "transient_bytes": b["transient"],
+                                   "largest_blocks": _largest(b, budget)}
+            if mode == "plain":
+                plain = max(row["largest_blocks"], 1)
+            row["ratio_to_plain"] = row["largest_blocks"] / plain
+            if cuda:
+                predicted = check_blocks * (b["state"] + b["kept"]) + b["transient"]
+                measured = _measured_peak(mode, check_blocks, hidden, ffn, batch, device)
+                row.update(check_blocks=check_blocks, predicted_peak_bytes=predicted, measured_peak_bytes=measured)
+            rows.append(row)
     return {"device": str(device), "budget_bytes": budget, "budget": "90% of device memory" if cuda else
-            "16 GiB (stated; no device limit on CPU)", "hidden": hidden, "ffn": ffn, "batch": batch, "rows": rows,
-            "reference": "GPipe (Huang et al. 2019): about 25x larger models on 8 accelerators"}
+            "16 GiB (stated; no device limit on CPU)", "hidden": hidden, "ffn": ffn, "batches": batches,
+            "rows": rows, "reference": "GPipe (Huang et al. 2019): about 25x larger models on 8 accelerators"}
 
 
 def plot_memory(result: dict[str, Any], path: str) -> None:
-    """Bar chart of the largest trainable block count per mode."""
+    """Bars of the largest trainable block count per mode, one group per batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.bar([r["mode"] for r in rows], [r["largest_blocks"] for r in rows], color="tab:green")
-    for i, r in enumerate(rows):
-        ax.text(i, r["largest_blocks"], f"{r['ratio_to_plain']:.1f}x", ha="center", va="bottom")
-    ax.set_ylabel(f"largest model (blocks), batch {result['batch']}")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / len(_MODES)
+    for j, mode in enumerate(_MODES):
+        sel = [r for r in rows if r["mode"] == mode]
+        xs = [i + j * width for i in range(len(sel))]
+        ax.bar(xs, [r["largest_blocks"] for r in sel], width, label=mode)
+        for x, r in zip(xs, sel):
+            ax.text(x, r["largest_blocks"], f"{r['ratio_to_plain']:.1f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + width for i in range(len(result["batches"]))], [f"batch {b}" for b in result["batches"]])
+    ax.set_ylabel("largest model (blocks)")
     ax.set_title(f"one device, budget {result['budget_bytes'] / 2**30:.0f} GiB")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

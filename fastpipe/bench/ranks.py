@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.bench.steps import LOSS, free_port
+from fastpipe.bench.steps import LOSS, accumulation_step, free_port
 from fastpipe.bench.workload import make_batch, make_model
 
 __all__ = ["spawn_ranks", "rank_main"]
@@ -75,8 +75,20 @@ def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmu
             else:
                 sched.step()
 
-    times = []
+    # Paired limit: before every step rank 0 also times T_mb (one device, the same micro-batches
+    # in sequence) while the other ranks wait, so each step has a baseline measured moments
+    # before it, under the same load.
+    acc_model = make_model(spec["blocks"], hidden=spec["hidden"], ffn=spec["ffn"]).to(device) if first else None
+    times, t_mbs = [], []
     for i in range(warmup + steps):
+        dist.barrier()
+        if acc_model is not None:
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                accumulation_step(acc_model, x, y, spec["chunks"])()
+            if cuda:
+                torch.cuda.synchronize()
+            t_mb = time.perf_counter() - t0
         dist.barrier()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
@@ -86,17 +98,20 @@ def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmu
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            if acc_model is not None:
+                t_mbs.append(t_mb)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(times, f)
+            json.dump({"steps": times, "t_mb": t_mbs}, f)
     if method == "fastpipe":
         pipe.close()
     dist.destroy_process_group()
 
 
 def spawn_ranks(method: str, workload: Any, *, schedule: str, warmup: int, steps: int,
-                timeout: float) -> list[float]:
-    """Step times of ``method`` (``"fastpipe"`` or ``"pipelining"``) with one rank per device.
+                timeout: float) -> tuple[list[float], list[float]]:
+    """Step times of ``method`` (``"fastpipe"`` or ``"pipelining"``) with one rank per device, and
+    T_mb timed on rank 0 just before each step.
 
     Raises:
         RuntimeError: one GPU only (NCCL refuses two ranks on one GPU), a rank failed, or
@@ -126,4 +141,5 @@ def spawn_ranks(method: str, workload: Any, *, schedule: str, warmup: int, steps
                         p.terminate()
                 raise RuntimeError(f"{method} ranks ran past {timeout:.0f} s and were stopped")
         with open(out) as f:
-            return [float(t) for t in json.load(f)]
+            result = json.load(f)
+        return [float(t) for t in result["steps"]], [float(t) for t in result["t_mb"]]

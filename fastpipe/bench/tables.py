@@ -43,13 +43,14 @@ def _schedules(res: dict[str, Any]) -> str:
 
 def _memory(res: dict[str, Any]) -> str:
     rows = [{**r, "kept_kib": r["kept_bytes"] / 1024, "state_mib": r["state_bytes"] / 2**20} for r in res["rows"]]
-    cols = [("mode", "mode"), ("kept_kib", "kept per block KiB"), ("state_mib", "state per block MiB"),
+    cols = [("batch", "batch"), ("mode", "mode"), ("kept_kib", "kept per block KiB"),
+            ("state_mib", "state per block MiB"),
             ("largest_blocks", "largest model (blocks)"), ("ratio_to_plain", "x plain")]
     if rows and "measured_peak_bytes" in rows[0]:
         cols.append(("measured_peak_bytes", "measured peak bytes (check)"))
         cols.append(("predicted_peak_bytes", "predicted peak bytes"))
-    return (f"{res['device']}, budget {res['budget']}, hidden {res['hidden']}/{res['ffn']}, micro-batch "
-            f"{res['batch']} ({res['reference']})\n\n" + table(rows, cols))
+    return (f"{res['device']}, budget {res['budget']}, hidden {res['hidden']}/{res['ffn']} "
+            f"({res['reference']})\n\n" + table(rows, cols))
 
 
 def _copy(res: dict[str, Any]) -> str:
@@ -84,6 +85,9 @@ def markdown(report: dict[str, Any]) -> str:
             out.append(f"failed: {entry['error']}")
             continue
         res = entry["result"]
+        if "skipped" in res:
+            out.append(f"skipped: {res['skipped']}")
+            continue
         try:
             out.append(_FORMATS[name](res))
         except (KeyError, TypeError) as exc:
