@@ -61,11 +61,19 @@ def _parts(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _chart(draw: Callable[[], None], result: dict[str, Any]) -> None:
+    """Draws a PNG; without matplotlib the figures still count, with a note instead of the chart."""
+    try:
+        draw()
+    except ImportError:
+        result.setdefault("notes", []).append("no chart: matplotlib is not installed (pip install matplotlib)")
+
+
 def _e2e(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
     from fastpipe.bench.scaling import plot_e2e, run_e2e
 
     result = run_e2e(deadline, rounds=3 if args.quick else 7, tiny=args.tiny)
-    plot_e2e(result, os.path.join(out, "e2e.png"))
+    _chart(lambda: plot_e2e(result, os.path.join(out, "e2e.png")), result)
     return result
 
 
@@ -76,8 +84,9 @@ def _schedules(args: argparse.Namespace, deadline: float, out: str) -> dict[str,
         rows = run(workers=(4,), microbatches=(4, 8, 16)) if args.tiny else run(microbatches=(4, 8, 16, 32))
     else:
         rows = run()
-    plot(rows, os.path.join(out, "schedules.png"))
-    return {"costs": {"F": 1, "B": 1, "W": 1}, "rows": rows}
+    result: dict[str, Any] = {"costs": {"F": 1, "B": 1, "W": 1}, "rows": rows}
+    _chart(lambda: plot(rows, os.path.join(out, "schedules.png")), result)
+    return result
 
 
 def _distributed(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
@@ -136,7 +145,7 @@ def _memory(args: argparse.Namespace, deadline: float, out: str) -> dict[str, An
     w = host_workload(args.tiny)
     # The workload's batch, and 16 times it, where activations rather than weights fill the device.
     result = run_memory(w.hidden, w.ffn, [w.batch, 16 * w.batch])
-    plot_memory(result, os.path.join(out, "memory.png"))
+    _chart(lambda: plot_memory(result, os.path.join(out, "memory.png")), result)
     return result
 
 
