@@ -93,7 +93,7 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
     return peak * min(n / max(warmup, 1), math.sqrt(max(warmup, 1) / n))
 
 
-def _check(args: argparse.Namespace, layers: int, virtual: int, gpus: int) -> None:
+def _check(args: argparse.Namespace, layers: int, virtual: int) -> None:
     for name in ("stages", "chunks", "steps", "batch", "seq_len", "dim", "heads", "eval_batches"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner, virtual = STEP_RUNNERS[args.schedule]
     layers = args.layers if args.layers is not None else max(4, args.stages * virtual)
     args.layers = layers
-    _check(args, layers, virtual, gpus)
+    _check(args, layers, virtual)
     if gpus:
         devices = [torch.device("cuda", i % gpus) for i in range(args.stages * virtual)]
         autocast: Callable[[], Any] = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
