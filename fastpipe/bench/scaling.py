@@ -57,13 +57,13 @@ class Workload:
 
 
 def host_workload(tiny: bool = False) -> Workload:
-    """K = every visible GPU (bf16, 1024/4096, 4 blocks per GPU), else 2 CPU stages (the
+    """K = every visible GPU (bf16, 2048/8192, batch 4096, 4 blocks per GPU), else 2 CPU stages (the
     reference workload: 8 blocks 512/2048, batch 256, 8 micro-batches); ``tiny`` for tests."""
     gpus = torch.cuda.device_count()
     if tiny:
         return Workload(4, 64, 128, 32, 4, ("cpu", "cpu"))
     if gpus:
-        return Workload(max(8, 4 * gpus), 1024, 4096, 1024, 8, tuple(f"cuda:{i}" for i in range(gpus)))
+        return Workload(max(8, 4 * gpus), 2048, 8192, 4096, 8, tuple(f"cuda:{i}" for i in range(gpus)))
     return Workload(8, 512, 2048, 256, 8, ("cpu", "cpu"))
 
 
@@ -127,9 +127,15 @@ def run_e2e(deadline: float, rounds: int = 5, tiny: bool = False) -> dict[str, A
     if not w.cuda:
         torch.set_num_threads(1)
     methods = _methods(w, notes)
+    for name, step in list(methods.items()):  # warm-up (allocations, kernel selection)
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - a peer that fails on this host is reported, not fatal
+            if not name.startswith("torchgpipe"):
+                raise
+            notes.append(f"{name}: failed on this host ({type(exc).__name__}: {exc}), skipped")
+            del methods[name]
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for step in methods.values():  # warm-up (allocations, kernel selection)
-        step()
     for r in range(rounds):
         if r >= 2 and time.monotonic() > deadline:
             notes.append(f"time limit reached: {r} rounds instead of {rounds}")
