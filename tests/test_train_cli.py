@@ -55,6 +55,9 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path: object, schedule: str
     whole = _train(tmp_path, "whole", "--steps", "6", *flags)["history"]
     ckpt = os.path.join(str(tmp_path), "ckpt")
     first = _train(tmp_path, "first", "--steps", "3", "--save", ckpt, *flags)["history"]
+    # A later save that died before its commit record: its model file is ignored, then removed.
+    with open(os.path.join(ckpt, "model-000005.pt"), "wb") as f:
+        f.write(b"truncated")
     resumed = _train(tmp_path, "resumed", "--steps", "6", "--resume", ckpt, "--save", ckpt, *flags)["history"]
     assert first == whole[:3]
     assert resumed == whole  # bitwise: steps 4..6 equal the uninterrupted run's

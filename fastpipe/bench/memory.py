@@ -8,7 +8,8 @@ batch:
 * ``saved``: the bytes autograd keeps for backward (saved-tensor hooks, parameters left out);
   ``plain`` keeps every block's, ``recompute`` (``torch.utils.checkpoint`` per block) only each
   block's input plus one block's ``saved`` during its backward, ``recompute + fused`` the same
-  with ``fastpipe.kernels.MLPBlock``, whose recomputed block saves about half.
+  with ``fastpipe.kernels.MLPBlock``, whose recomputed block saves about half; ``fused`` (no
+  recomputation) shows the kernels' own saving.
 
 The largest block count N under a memory budget C is then
 ``N (state + kept) + transient ≤ C``: a bound, as if every state and activation were alive at
@@ -33,7 +34,7 @@ from fastpipe.kernels.memory import count_saved_bytes
 __all__ = ["run_memory"]
 
 _CPU_BUDGET = 16 * 2**30
-_MODES = ("plain", "recompute", "recompute + fused")
+_MODES = ("plain", "fused", "recompute", "recompute + fused")
 
 
 class _Recomputed(nn.Module):
@@ -50,6 +51,8 @@ class _Recomputed(nn.Module):
 def _block(mode: str, hidden: int, ffn: int) -> nn.Module:
     if mode == "plain":
         return ResidualMLP(hidden, ffn)
+    if mode == "fused":
+        return kernels.MLPBlock(hidden, ffn)
     inner = kernels.MLPBlock(hidden, ffn) if mode == "recompute + fused" else ResidualMLP(hidden, ffn)
     return _Recomputed(inner)
 
