@@ -31,7 +31,8 @@ setup(
     name="fastpipe",
     version="0.1.0",
     description="Pipeline-parallel training for PyTorch: GPipe done right",
-    packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.asynchronous", "fastpipe.kernels"],
+    packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.asynchronous", "fastpipe.kernels",
+              "fastpipe.train", "fastpipe.bench"],
     package_dir={"fastpipe.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
@@ -45,6 +46,9 @@ setup(
         "triton; platform_system == 'Linux'",
         # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) needs numpy.
         "numpy",
+        # `fastpipe train` and `fastpipe bench` write PNG charts (loss curve, timeline, results),
+        # and the README's first command is `pip install . && fastpipe train`.
+        "matplotlib",
     ],
     extras_require={
         "plot": ["matplotlib"],

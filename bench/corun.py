@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 
@@ -26,11 +25,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import accumulation_step  # noqa: E402
-from report import write_json  # noqa: E402
-from workload import CHUNKS, make_batch, make_model  # noqa: E402
-
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.steps import accumulation_step  # noqa: E402
+from fastpipe.bench.workload import CHUNKS, make_batch, make_model  # noqa: E402
 from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
 
 

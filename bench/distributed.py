@@ -37,11 +37,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import LOSS, _pippy_worker, accumulation_step, timed_rounds  # noqa: E402
-from report import write_json  # noqa: E402
-from workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
-
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.steps import LOSS, accumulation_step, timed_rounds  # noqa: E402
+from fastpipe.bench.steps import pippy_worker as _pippy_worker  # noqa: E402
+from fastpipe.bench.workload import BATCH, CHUNKS, make_batch, make_model  # noqa: E402
 from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
 
 K = 2

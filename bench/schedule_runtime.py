@@ -32,31 +32,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_json  # noqa: E402
-from workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
-
 from fastpipe import Pipe  # noqa: E402
 from fastpipe.balance import plan, profile_layers  # noqa: E402
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.timing import action_costs  # noqa: E402
+from fastpipe.bench.workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
 from fastpipe.schedule import build, simulate  # noqa: E402
 from fastpipe.trace import Timeline  # noqa: E402
 
 LOSS = nn.MSELoss()
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
-
-
-def action_costs(timeline: Timeline, num_stages: int) -> dict[str, list[float]]:
-    """Median duration of each action kind per stage, from a measured timeline."""
-    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for e in timeline.events:
-        stage = int(e.action[: len(e.action) - len(e.action.lstrip("0123456789"))])
-        kind = e.action.lstrip("0123456789").rstrip("0123456789")
-        samples[(kind, stage)].append(e.end - e.start)
-    return {
-        kind: [statistics.median(samples[(kind, s)]) for s in range(num_stages)]
-        for kind in ("F", "B", "W", "BW")
-        if all((kind, s) in samples for s in range(num_stages))
-    }
 
 
 def measured_part(rounds: int) -> dict:

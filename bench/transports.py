@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -27,10 +26,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import LOSS  # noqa: E402
-from report import write_json  # noqa: E402
-from workload import CHUNKS, make_batch, make_model  # noqa: E402
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.steps import LOSS  # noqa: E402
+from fastpipe.bench.workload import CHUNKS, make_batch, make_model  # noqa: E402
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 

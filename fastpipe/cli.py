@@ -4,6 +4,8 @@ Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
     fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
     fastpipe plan --model mypkg.models:build --sample-shape 256,512 --partitions 4 --microbatches 8
+    fastpipe train --schedule 1f1b --steps 300
+    fastpipe bench --quick --only e2e,schedules --out bench-out
 
 With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
 ``nn.Sequential``) each layer is profiled on one micro-batch of a random sample, and the
@@ -95,6 +97,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
     p.add_argument("--memory-limit", type=float, default=None, help="most bytes one stage may hold")
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
+    t = sub.add_parser("train", help="train a character-level GPT on the standard library's sources through Pipe",
+                       description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.")
+    from fastpipe.train import add_arguments as add_train_arguments
+
+    add_train_arguments(t)
+    b = sub.add_parser("bench", help="the benchmark suite: JSON, PNG charts and a markdown table")
+    from fastpipe.bench.suite import add_arguments as add_bench_arguments
+
+    add_bench_arguments(b)
     return parser
 
 
@@ -151,7 +162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
-    except (BalanceError, ScheduleError, ValueError, ImportError, AttributeError) as exc:
+        if args.command == "train":
+            from fastpipe.train import run
+
+            run(args)
+            return 0
+        if args.command == "bench":
+            from fastpipe.bench.suite import run as run_bench
+
+            return run_bench(args)
+    except (BalanceError, ScheduleError, ValueError, ImportError, AttributeError, FileNotFoundError) as exc:
         print(f"fastpipe: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -1,0 +1,1 @@
+"""The benchmark suite behind ``fastpipe bench`` (importable after ``pip install .``)."""

@@ -1,0 +1,199 @@
+"""``fastpipe bench``: the benchmark suite in one command, from an installed package.
+
+Parts (``--only`` picks some): ``e2e`` (plain, gradient accumulation, fastpipe, torchgpipe and
+``torch.distributed.pipelining`` side by side on every visible GPU, else 2 CPU stages),
+``schedules`` (simulated bubble and memory of every schedule), ``distributed`` (one rank per
+device: fastpipe ``DistributedPipe`` vs ``torch.distributed.pipelining``, NCCL or gloo),
+``copy`` (copy/compute overlap of ``fastpipe._C``), ``kernels`` (fused kernels vs eager) and
+``memory`` (the largest model one device trains: plain, recompute, recompute + fused).
+
+Each part has a time budget: it stops adding rounds when its budget is spent, and spawned
+ranks are stopped past it. ``--quick`` budgets the suite for under 8 minutes on one H200.
+Writes ``bench.json``, one PNG per part that has a chart, and ``results.md`` (tables to paste
+into ``bench/RESULTS.md``) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fastpipe.bench import tables
+
+__all__ = ["PARTS", "add_arguments", "run"]
+
+# part -> (seconds budget with --quick, without)
+PARTS: dict[str, tuple[float, float]] = {
+    "e2e": (120.0, 600.0),
+    "schedules": (20.0, 60.0),
+    "distributed": (90.0, 300.0),
+    "copy": (30.0, 120.0),
+    "kernels": (120.0, 600.0),
+    "memory": (40.0, 120.0),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``fastpipe bench`` flags."""
+    p.add_argument("--quick", action="store_true", help="fewer rounds and smaller sweeps (under 8 min on one H200)")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of: {', '.join(PARTS)}")
+    p.add_argument("--out", default="fastpipe-bench", help="folder for bench.json, PNG charts and results.md")
+    p.add_argument("--tiny", action="store_true",
+                   help="toy sizes that finish in seconds on CPU (tests; the figures mean nothing)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parts(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PARTS]
+    if unknown or not names:
+        raise ValueError(f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(PARTS)}")
+    return list(dict.fromkeys(names))
+
+
+def _chart(draw: Callable[[], None], result: dict[str, Any]) -> None:
+    """Draws a PNG; without matplotlib the figures still count, with a note instead of the chart."""
+    try:
+        draw()
+    except ImportError:
+        result.setdefault("notes", []).append("no chart: matplotlib is not installed (pip install matplotlib)")
+
+
+def _e2e(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.scaling import plot_e2e, run_e2e
+
+    result = run_e2e(deadline, rounds=3 if args.quick else 7, tiny=args.tiny)
+    _chart(lambda: plot_e2e(result, os.path.join(out, "e2e.png")), result)
+    return result
+
+
+def _schedules(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.schedules import plot, run
+
+    if args.tiny or args.quick:
+        rows = run(workers=(4,), microbatches=(4, 8, 16)) if args.tiny else run(microbatches=(4, 8, 16, 32))
+    else:
+        rows = run()
+    result: dict[str, Any] = {"costs": {"F": 1, "B": 1, "W": 1}, "rows": rows}
+    _chart(lambda: plot(rows, os.path.join(out, "schedules.png")), result)
+    return result
+
+
+def _distributed(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.ranks import spawn_ranks
+    from fastpipe.bench.scaling import host_workload, summarise
+
+    w = host_workload(args.tiny)
+    steps = 3 if args.quick or args.tiny else 7
+    t_mb = "gradient accumulation, 1 device (T_mb)"
+    times: dict[str, list[float]] = {t_mb: []}
+    notes: list[str] = ["T_mb is timed on rank 0 just before each step, while the other ranks wait"]
+    if w.cuda and w.k < 2:
+        return {"skipped": "one rank per GPU needs 2 or more GPUs (NCCL refuses two ranks on one GPU)",
+                "notes": ["skipped: one rank per GPU needs 2 or more GPUs"]}
+    backend = "NCCL" if w.cuda else "gloo"
+    runs = [("fastpipe", s) for s in ("1f1b", "gpipe")] + [("pipelining", s) for s in ("1f1b", "gpipe")]
+    for method, sched in runs:
+        left = deadline - time.monotonic()
+        name = f"{'fastpipe DistributedPipe' if method == 'fastpipe' else 'torch.distributed.pipelining'} " \
+               f"{sched} ({w.k} {backend} ranks)"
+        if left < 10:
+            notes.append(f"{name}: skipped, time budget spent")
+            continue
+        try:
+            times[name], paired = spawn_ranks(method, w, schedule=sched, warmup=1, steps=steps, timeout=left)
+            times[t_mb] += paired
+        except Exception as exc:  # noqa: BLE001 - a failed peer is reported, the suite goes on
+            notes.append(f"{name}: {exc}")
+    if not times[t_mb]:
+        raise RuntimeError("no multi-process run finished: " + "; ".join(notes[1:]))
+    return summarise(times, w, notes)
+
+
+def _copy(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    import fastpipe._C as _C
+    from fastpipe.bench.copy_overlap import measure
+
+    cuda = torch.cuda.is_available() and _C.backend_available("cuda")
+    runs, target = (2, 20.0) if args.tiny else ((3, 100.0) if args.quick else (5, 200.0))
+    return measure("cuda" if cuda else "host", runs, target, 64 if cuda else (1 if args.tiny else 16))
+
+
+def _kernels(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.kernels import main as kernels_main
+
+    argv = ["--json", os.path.join(out, "kernels.json")]
+    if args.quick or args.tiny:
+        argv.append("--no-compile")
+    return dict(kernels_main(argv))
+
+
+def _memory(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.memory import plot_memory, run_memory
+    from fastpipe.bench.scaling import host_workload
+
+    w = host_workload(args.tiny)
+    # The workload's batch, and 16 times it, where activations rather than weights fill the device.
+    result = run_memory(w.hidden, w.ffn, [w.batch, 16 * w.batch])
+    _chart(lambda: plot_memory(result, os.path.join(out, "memory.png")), result)
+    return result
+
+
+_RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] = {
+    "e2e": _e2e, "schedules": _schedules, "distributed": _distributed, "copy": _copy, "kernels": _kernels,
+    "memory": _memory,
+}
+
+
+def _host() -> dict[str, Any]:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+            "cpus": os.cpu_count(), "gpus": gpus, "loadavg_1m": os.getloadavg()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the chosen parts; returns 0 if every part succeeded, else 1."""
+    from tqdm import tqdm
+
+    names = _parts(args.only)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    report: dict[str, Any] = {"host": _host(), "quick": args.quick, "tiny": args.tiny, "parts": {}}
+    bar = tqdm(names, desc="fastpipe bench", unit="part", disable=args.no_progress, file=sys.stderr)
+    failed = False
+    for name in bar:
+        bar.set_postfix(part=name)
+        budget = PARTS[name][0 if args.quick or args.tiny else 1]
+        t0 = time.monotonic()
+        try:
+            result = _RUNNERS[name](args, t0 + budget, args.out)
+            entry: dict[str, Any] = {"status": "ok", "result": result}
+        except Exception as exc:  # noqa: BLE001 - one failing part must not hide the others
+            failed = True
+            entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc(limit=6)}
+            print(f"fastpipe bench: {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        entry["seconds"] = time.monotonic() - t0
+        entry["budget_s"] = budget
+        report["parts"][name] = entry
+    bar.close()
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    markdown = tables.markdown(report)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(markdown)
+    print(markdown)
+    summary = {n: [e["status"], round(e["seconds"], 1)] for n, e in report["parts"].items()}
+    print("JSON " + json.dumps(summary))  # one line for bench/gpu_check.sh's summary table
+    return 1 if failed else 0

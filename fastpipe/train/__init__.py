@@ -1,0 +1,6 @@
+"""``fastpipe train``: a character-level GPT trained through ``Pipe`` on Python's standard library."""
+
+from fastpipe.train.model import GPTConfig, LMHead, LMLoss, build_gpt
+from fastpipe.train.run import STEP_RUNNERS, TrainError, add_arguments, run
+
+__all__ = ["GPTConfig", "LMHead", "LMLoss", "build_gpt", "STEP_RUNNERS", "TrainError", "add_arguments", "run"]

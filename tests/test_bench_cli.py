@@ -1,0 +1,54 @@
+"""``fastpipe bench``: the suite runs from the package and writes JSON, charts and a markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fastpipe.bench.scaling import limit_of
+from fastpipe.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quick_e2e_and_schedules(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(str(tmp_path))  # the suite needs no checkout: it runs from any directory
+    out = "bench"
+    assert main(["bench", "--quick", "--tiny", "--only", "e2e,schedules", "--out", out, "--no-progress"]) == 0
+    for name in ("bench.json", "results.md", "e2e.png", "schedules.png"):
+        assert os.path.getsize(os.path.join(str(tmp_path), out, name)) > 0
+    with open(os.path.join(out, "bench.json")) as f:
+        report = json.load(f)
+    assert set(report) >= {"host", "quick", "parts"} and list(report["parts"]) == ["e2e", "schedules"]
+    e2e = report["parts"]["e2e"]
+    assert e2e["status"] == "ok" and e2e["seconds"] <= e2e["budget_s"] * 2
+    res = e2e["result"]
+    assert res["k"] == 2 and res["limit_s"] == pytest.approx(limit_of(res["t_mb_s"], 2, res["m"]))
+    methods = {r["method"]: r for r in res["rows"]}
+    assert {"plain, 1 device, full batch", "gradient accumulation, 1 device (T_mb)",
+            "fastpipe GPipe, pipe(x) + backward", "fastpipe train_step 1f1b"} <= set(methods)
+    for r in methods.values():
+        assert r["median_s"] > 0 and r["speedup_over_1_device"] == pytest.approx(res["t_mb_s"] / r["median_s"])
+    # Peers that are missing or skipped say so instead of vanishing.
+    if "torchgpipe" not in methods:
+        assert any(n.startswith("torchgpipe") for n in res["notes"])
+    sched = report["parts"]["schedules"]["result"]["rows"]
+    assert {r["schedule"] for r in sched} >= {"gpipe", "1f1b", "zb-h1"}
+    text = capsys.readouterr().out
+    assert "| method | median ms | speed-up over 1 device | fraction of limit |" in text
+    assert text.strip().splitlines()[-1].startswith("JSON ")
+
+
+def test_unknown_part_is_refused(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--only", "e2e,warp", "--out", str(tmp_path)]) == 2
+    assert "unknown part(s) warp" in capsys.readouterr().err
