@@ -226,7 +226,7 @@ def norm_backward(
         block_n = next_pow2(n)
         cfg = launch_config("norm_bwd", res.device, n)
         block_m = _rows_per_block(cfg["rows"], m, block_n)
-        if cfg["progs_per_sm"] <= 0:
+        if cfg["progs_per_sm"] <= 0 or not res.is_cuda:  # the interpreter: one program
             progs = 1
         else:
             sms = torch.cuda.get_device_properties(res.device).multi_processor_count
