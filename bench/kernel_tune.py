@@ -267,8 +267,8 @@ def block_rows(dtype: torch.dtype, smoke: bool) -> list[dict[str, Any]]:
                 row[f"{label}_mib"] = round(peak_mib(step, [x]), 1)
             except Exception as exc:
                 row[f"{label}_error"] = repr(exc)[:160]
-        e_bytes = count_saved_bytes(lambda m=eager: m(x), eager.parameters())[0]
-        f_bytes = count_saved_bytes(lambda m=fast: m(x), fast.parameters())[0]
+        e_bytes = count_saved_bytes(lambda m=eager, x=x: m(x), eager.parameters())[0]
+        f_bytes = count_saved_bytes(lambda m=fast, x=x: m(x), fast.parameters())[0]
         row["saved_ratio"] = round(f_bytes / e_bytes, 4)
         if "fast_ms" in row and "eager_ckpt_ms" in row:
             row["x_eager_ckpt"] = round(row["eager_ckpt_ms"] / row["fast_ms"], 3)
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 big_bf16 = cases
             else:
                 del cases
-            _print(f"ops fwd+bwd {rows}x{hidden} {dtype}", [r for r in ops if r["shape"] == f"{rows}x{hidden}"
-                                                            and r["dtype"] == str(dtype).replace("torch.", "")])  # fmt: skip
+            tag = (f"{rows}x{hidden}", str(dtype).replace("torch.", ""))
+            _print(f"ops fwd+bwd {tag[0]} {tag[1]}", [r for r in ops if (r["shape"], r["dtype"]) == tag])
     result["ops"] = ops
     if deadline.ok("linear_cross_entropy", 40):
         result["lce"] = lce_rows(args.smoke, liger, deadline)
