@@ -127,9 +127,11 @@ def _ce_rows(
     lse = torch.logsumexp(zf, dim=1)
     loss = torch.where(valid, lse - zf.gather(1, safe_tgt[:, None])[:, 0], 0.0)
     if scale is not None:
-        zf = zf.sub_(lse[:, None]).exp_() if zf is not logits else zf.sub(lse[:, None]).exp_()
+        zf.sub_(lse[:, None]).exp_()  # in place: fp32 logits are the chunk itself, and loss is done
         zf.scatter_add_(1, safe_tgt[:, None], torch.full_like(lse[:, None], -1.0))
-        logits.copy_(zf.mul_(torch.where(valid, scale, 0.0)[:, None]))
+        zf.mul_(torch.where(valid, scale, 0.0)[:, None])
+        if zf is not logits:  # 16-bit chunk: round the fp32 gradient into it
+            logits.copy_(zf)
     return loss, lse
 
 
