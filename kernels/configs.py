@@ -32,19 +32,26 @@ Config = dict[str, Any]
 #: Measured winners: ``TUNED[arch][op][bucket] = config``; bucket is ``next_pow2(width)`` or "*".
 TUNED: dict[str, dict[str, dict[int | str, Config]]] = {}
 
-#: Settings for unknown GPUs (reasoned, not measured). Norms: one 16-byte vector per thread per
-#: load is reached with 4-8 warps on a 4096-wide row; more warps only add cross-warp reduction
-#: steps (Liger-Kernel and Apex's fused LayerNorm also run one row per program with 4-16 warps).
+#: Settings for unknown GPUs (reasoned, not measured). Registers per thread from ptxas 13.4 for
+#: sm_90a at width 4096, bf16 (2026-11-30, no GPU; the host's ptxas may differ a little) set how
+#: many programs fit on one SM (65,536 registers, 64 warps):
+#:   norm fwd    1 row:  8 warps 80 regs (3/SM), 16 warps 48 regs (2/SM = 32 warps)
+#:   norm bwd    1 row:  8 warps 172 regs (1/SM), 16 warps 92 (1/SM), 32 warps 56 (1/SM);
+#:               4 warps 255 + spills, 2 rows x 8 warps 254: the dW/db accumulators live in registers
+#:   bias_gelu   16 elements/thread ~144 regs (1/SM); 8 elements/thread ~63 (4/SM = 32 warps)
+#:   elementwise swiglu bwd 2048 x 8 warps 40 regs; 4096 x 8 warps spills 8 bytes
+#: Since only one norm-backward program fits per SM, more than one per SM only adds waves and
+#: partial dW/db rows (programs x N x 8 bytes of peak memory), so the fallback runs one.
 FALLBACK: dict[str, Config] = {
     # rows: rows per program (0: fill a 4096-element block); num_warps: warps per program.
-    "norm_fwd": dict(rows=0, num_warps=8),
+    "norm_fwd": dict(rows=0, num_warps=16),
     # rows: rows per loop step; progs_per_sm: persistent programs per SM (each sums its own dW/db
     # rows, reduced once at the end: no atomics, no second pass over the activations).
-    "norm_bwd": dict(rows=0, num_warps=8, progs_per_sm=4),
-    # Flat elementwise kernels: elements per program and warps.
-    "elementwise": dict(block=4096, num_warps=8),
+    "norm_bwd": dict(rows=0, num_warps=16, progs_per_sm=1),
+    # Flat elementwise kernels: elements per program and warps (8 per thread: one 16-byte bf16 vector).
+    "elementwise": dict(block=2048, num_warps=8),
     # bias_gelu: a [rows x cols] tile per loop step, programs loop over row tiles summing dbias.
-    "bias_gelu": dict(block_r=8, block_c=512, num_warps=8, progs_per_sm=4),
+    "bias_gelu": dict(block_r=4, block_c=512, num_warps=8, progs_per_sm=4),
     # Cross-entropy row kernel: vocab elements per step, warps.
     "ce": dict(block_v=4096, num_warps=8),
     # linear_cross_entropy: "recompute" (exact, Liger-size memory, 4 GEMMs) or "accumulate" (fp32 dW
@@ -64,20 +71,33 @@ _INTERPRETER: dict[str, Config] = {
 
 #: What the tuner tries on a GPU, per op (each a partial config over FALLBACK).
 CANDIDATES: dict[str, list[Config]] = {
-    "norm_fwd": [dict(rows=r, num_warps=w) for r, w in [(1, 4), (1, 8), (1, 16), (2, 8), (4, 16)]],
+    "norm_fwd": [dict(rows=r, num_warps=w) for r, w in [(1, 8), (1, 16), (1, 32), (2, 16), (4, 16)]],
     "norm_bwd": [
         dict(rows=r, num_warps=w, progs_per_sm=p)
-        for r, w, p in [(1, 8, 2), (1, 8, 4), (1, 4, 8), (1, 16, 2), (2, 8, 4), (1, 8, 8)]
+        for r, w, p in [(1, 8, 1), (1, 16, 1), (1, 32, 1), (1, 16, 2), (1, 8, 4), (2, 16, 1)]
     ],
-    "elementwise": [dict(block=b, num_warps=w) for b, w in [(1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16)]],
+    "elementwise": [dict(block=b, num_warps=w) for b, w in [(1024, 4), (2048, 4), (2048, 8), (4096, 16), (8192, 16)]],
     "bias_gelu": [
         dict(block_r=r, block_c=c, num_warps=w, progs_per_sm=p)
-        for r, c, w, p in [(8, 512, 8, 4), (4, 1024, 8, 4), (16, 256, 8, 4), (8, 512, 4, 8), (8, 1024, 16, 2)]
+        for r, c, w, p in [
+            (4, 512, 8, 4),
+            (8, 256, 8, 4),
+            (2, 1024, 8, 4),
+            (4, 1024, 16, 2),
+            (4, 256, 4, 8),
+            (8, 512, 8, 1),
+        ]
     ],
-    "ce": [dict(block_v=b, num_warps=w) for b, w in [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]],
+    "ce": [dict(block_v=b, num_warps=w) for b, w in [(2048, 4), (4096, 8), (8192, 16), (16384, 16)]],
     "lce": [
         dict(strategy=s, chunk_ratio=c)
-        for s, c in [("recompute", 1.0), ("recompute", 2.0), ("accumulate", 1.0), ("accumulate", 4.0)]
+        for s, c in [
+            ("recompute", 1.0),
+            ("recompute", 2.0),
+            ("accumulate", 1.0),
+            ("accumulate", 4.0),
+            ("accumulate", 8.0),
+        ]
     ],
 }
 
