@@ -144,12 +144,12 @@ def _softmax_grad(
         if interpreting():
             block_v = min(next_pow2(vb), 1 << 12)
             block_m = max(1, min(next_pow2(m), (1 << 16) // block_v))
-        else:
-            block_m, block_v = 4, 1024
+        else:  # 8 elements (one 16-byte bf16 vector) per thread
+            block_m, block_v = 2, 1024
         with device_guard(logits):
             _softmax_grad_kernel[(triton.cdiv(m, block_m), triton.cdiv(vb, block_v))](
                 logits, lse, target, scale, m, vb, v0, ignore_index, BLOCK_M=block_m, BLOCK_V=block_v,
-                num_warps=4,
+                num_warps=8,
             )  # fmt: skip
         return
     valid = target != ignore_index
