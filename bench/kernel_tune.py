@@ -399,6 +399,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["ops"] = ops
     if deadline.ok("linear_cross_entropy", 40):
         result["lce"] = lce_rows(args.smoke, liger, deadline)
+        from fastpipe.kernels import cross_entropy
+
+        # Whether "accumulate" got torch's addmm(out_dtype=fp32) or fell back to a bf16 product + add.
+        result["lce_addmm_out_dtype"] = dict(cross_entropy._OUT_DTYPE_MM)
         _print("linear_cross_entropy fwd+bwd, bf16 (one row per strategy/chunk candidate)", result["lce"])
     if deadline.ok("blocks", 40):
         result["blocks"] = block_rows(torch.bfloat16, args.smoke)
@@ -422,7 +426,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lce": [[r.get("strategy"), r.get("chunk_ratio"), r.get("fast_ms"), r.get("fast_mib"), r.get("x_eager")]
                 for r in result.get("lce", [])],
         "blocks": {r["op"]: [r.get("x_eager_ckpt"), r.get("saved_ratio")] for r in result.get("blocks", [])},
-        "tuned": result.get("tuned"), "skipped": deadline.skipped,
+        "lce_addmm_out_dtype": result.get("lce_addmm_out_dtype"), "tuned": result.get("tuned"),
+        "skipped": deadline.skipped,
     }  # fmt: skip
     print("JSON " + json.dumps(summary, default=str))
     return result
