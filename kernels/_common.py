@@ -10,6 +10,7 @@ Nothing here imports the rest of fastpipe, and everything works without triton i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -38,6 +39,7 @@ __all__ = [
     "dropout_scale",
     "autocast_state",
     "autocast_like",
+    "device_guard",
 ]
 
 
@@ -136,3 +138,11 @@ def autocast_like(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
     """Context manager re-entering a state recorded by :func:`autocast_state`."""
     dev, enabled, dtype = state
     return torch.autocast(dev, dtype=dtype, enabled=enabled)
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Make ``t``'s GPU current for a Triton launch (Triton launches on the current device's
+    stream, so a tensor on another GPU would otherwise error or race); no-op off CUDA."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ._common import HAS_TRITON, interpreting, tl, triton, use_triton
+from ._common import HAS_TRITON, device_guard, next_pow2, tl, triton, use_triton
+from .configs import launch_config
 
 __all__ = ["bias_gelu", "bias_gelu_forward", "bias_gelu_backward"]
 
@@ -44,32 +45,57 @@ if HAS_TRITON:
 
     @triton.jit
     def _bias_gelu_fwd_kernel(  # type: ignore[no-untyped-def]
-        X, B, Y, numel, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BLOCK: tl.constexpr
+        X, B, Y, M, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
     ):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
+        # 2-D tiles: the bias is loaded once per tile, no per-element modulo.
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < N
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
-            z += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+            z += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         g, _ = _gelu_and_grad(z, TANH, False)
         tl.store(Y + offs, g.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _bias_gelu_bwd_kernel(  # type: ignore[no-untyped-def]
-        DY, X, B, DX, numel, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        DY, X, B, DX, DBP, M, N, rows_per_prog,
+        HAS_B: tl.constexpr, WANT_DB: tl.constexpr, TANH: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Program (c, g) owns columns block c of rows group g, and sums its dbias share in
+        # registers: DBP[g, cols] holds one fp32 partial per group, so dbias needs neither atomics
+        # nor a second pass over dx (eager reads dx again; a .float() copy would add 2x its bytes).
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < N
         if HAS_B:
-            z += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
-        _, dg = _gelu_and_grad(z, TANH, True)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, (dy * dg).to(DX.dtype.element_ty), mask=mask)
+            bias = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        first = tl.program_id(1) * rows_per_prog
+        for start in range(first, first + rows_per_prog, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            mask = (rows < M)[:, None] & cmask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                z += bias[None, :]
+            _, dg = _gelu_and_grad(z, TANH, True)
+            dx = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32) * dg
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            if WANT_DB:
+                acc += tl.where(mask, dx, 0.0)
+        if WANT_DB:
+            tl.store(DBP + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
-def _block() -> int:
-    return 1 << 17 if interpreting() else 2048
+def _tiles(x: torch.Tensor, n: int) -> tuple[int, int, int, int]:
+    """``(block_r, block_c, num_warps, progs_per_sm)`` for rows ``n`` wide (0s: interpreter, one tile)."""
+    cfg = launch_config("bias_gelu", x.device, n)
+    block_c = cfg["block_c"] or min(next_pow2(n), 1 << 14)
+    block_r = cfg["block_r"] or max(1, (1 << 16) // block_c)
+    return block_r, block_c, cfg["num_warps"], cfg["progs_per_sm"]
 
 
 def _ref_gelu_and_grad(z: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,31 +118,51 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: s
     x = x.contiguous()
     if use_triton(x):
         y = torch.empty_like(x)
-        numel, n = x.numel(), x.shape[-1]
-        _bias_gelu_fwd_kernel[(triton.cdiv(numel, _block()),)](
-            x, bias, y, numel, n, HAS_B=bias is not None, TANH=tanh, BLOCK=_block()
-        )
+        n = x.shape[-1]
+        m = x.numel() // max(n, 1)
+        block_r, block_c, warps, _ = _tiles(x, n)
+        with device_guard(x):
+            _bias_gelu_fwd_kernel[(triton.cdiv(n, block_c), triton.cdiv(m, block_r))](
+                x, bias, y, m, n, HAS_B=bias is not None, TANH=tanh, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=warps,
+            )  # fmt: skip
         return y
     z = x.float() + bias.float() if bias is not None else x.float()
     return _ref_gelu_and_grad(z, tanh)[0].to(x.dtype)
 
 
 def bias_gelu_backward(
-    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none"
-) -> torch.Tensor:
-    """Gradient w.r.t. ``x + bias`` (hence w.r.t. ``x``), recomputing the activation."""
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none", want_dbias: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients w.r.t. ``x`` and (if ``want_dbias`` and there is a bias) ``bias``, recomputing
+    the activation; dbias is summed in fp32 from the unrounded dx and returned in bias's dtype."""
     tanh = _check_approx(approximate)
     x = x.contiguous()
     dy = dy.contiguous()
+    want_db = want_dbias and bias is not None
     if use_triton(x):
         dx = torch.empty_like(x)
-        numel, n = x.numel(), x.shape[-1]
-        _bias_gelu_bwd_kernel[(triton.cdiv(numel, _block()),)](
-            dy, x, bias, dx, numel, n, HAS_B=bias is not None, TANH=tanh, BLOCK=_block()
-        )
-        return dx
+        n = x.shape[-1]
+        m = x.numel() // max(n, 1)
+        block_r, block_c, warps, per_sm = _tiles(x, n)
+        col_blocks = triton.cdiv(n, block_c)
+        # Off CUDA (the interpreter) count one "SM", so a config's program count is testable there.
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        groups = max(1, min(triton.cdiv(m, block_r), triton.cdiv(per_sm * sms, col_blocks)))
+        rows_per_prog = triton.cdiv(triton.cdiv(m, groups), block_r) * block_r
+        groups = max(1, triton.cdiv(m, rows_per_prog))
+        part = torch.empty(groups, n, dtype=torch.float32, device=x.device) if want_db else None
+        with device_guard(x):
+            _bias_gelu_bwd_kernel[(col_blocks, groups)](
+                dy, x, bias, dx, part, m, n, rows_per_prog, HAS_B=bias is not None, WANT_DB=want_db,
+                TANH=tanh, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+            )  # fmt: skip
+        dbias = part.sum(0).to(bias.dtype) if part is not None and bias is not None else None
+        return dx, dbias
     z = x.float() + bias.float() if bias is not None else x.float()
-    return (dy.float() * _ref_gelu_and_grad(z, tanh)[1]).to(x.dtype)
+    dxf = dy.float() * _ref_gelu_and_grad(z, tanh)[1]
+    dbias = dxf.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype) if want_db and bias is not None else None
+    return dxf.to(x.dtype), dbias
 
 
 class _BiasGeluFn(torch.autograd.Function):
@@ -129,10 +175,7 @@ class _BiasGeluFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         x, bias = ctx.saved_tensors
-        dx = bias_gelu_backward(dy, x, bias, ctx.approximate)
-        dbias = None
-        if bias is not None and ctx.needs_input_grad[1]:
-            dbias = dx.reshape(-1, x.shape[-1]).float().sum(0).to(bias.dtype)
+        dx, dbias = bias_gelu_backward(dy, x, bias, ctx.approximate, want_dbias=ctx.needs_input_grad[1])
         return dx, dbias, None
 
 

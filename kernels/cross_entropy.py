@@ -1,15 +1,29 @@
-"""Linear + cross-entropy, chunked over tokens: the full ``[tokens, vocab]`` logits never exist.
+"""Linear + cross-entropy without materialising the full ``[tokens, vocab]`` logits.
 
-For each chunk of ``C`` tokens::
+GEMMs run in the compute dtype (the input's, or autocast's), so bf16/fp16 inputs use the tensor
+cores with fp32 accumulation; an fp32 GEMM on Hopper runs at a small fraction of that rate.
+Two strategies (``configs.launch_config("lce")``; the GPU tuner measures both)::
 
-    logits_c = x_c @ W^T + b                 # [C, V] fp32, the only vocab-sized buffer
-    loss_c, lse_c  = CE(logits_c, target_c)  # one row-wise kernel, which also overwrites
-    logits_c      := (softmax - onehot) * s  #   logits_c with d loss / d logits in place
-    dx_c  = logits_c @ W;  dW += logits_c^T @ x_c;  db += sum(logits_c)
+    "recompute" (default)                         "accumulate"
+    pass 1, token chunks of C rows:               token chunks of C rows:
+      z   = x_c @ W^T + b      [C, V] buffer        z = x_c @ W^T + b
+      loss, lse; z := dloss/dz in place             loss; z := dloss/dz in place
+      dx_c = z @ W             (complete)           dx_c = z @ W
+    pass 2, vocab blocks of Vb columns:             dW32 += z^T @ x_c   (fp32 accumulator)
+      z   = x @ W_b^T + b_b    same buffer          db32 += sum(z)
+      z := (exp(z - lse) - onehot) * s
+      dW_b = z^T @ x           (complete)
+      db_b = sum(z)
 
-For ``reduction="mean"|"sum"`` the gradients are computed in forward, chunk by chunk, and saved;
-backward only scales them by the incoming scalar. For ``reduction="none"`` backward recomputes
-the chunks (saving ``x`` and ``target``), since per-token scales are known only then.
+"recompute" spends a fourth GEMM (logits twice) to write every gradient once, with fp32
+accumulation inside one GEMM: exact as eager, and no vocab-sized accumulator, so its peak memory
+is the gradients plus one logits buffer (Liger-Kernel's, whose dW accumulates in the weight's
+dtype chunk by chunk). "accumulate" runs three GEMMs but holds an fp32 ``[V, H]`` accumulator
+(2x a bf16 weight). Cut Cross-Entropy (Wijmans et al., 2024) also recomputes logits blockwise.
+
+For ``reduction="mean"|"sum"`` the gradients are computed in forward and saved; backward scales
+them by the incoming scalar in place (so it runs once). For ``reduction="none"`` forward computes
+only the losses; backward reruns the passes with the per-token scales.
 """
 
 from __future__ import annotations
@@ -18,7 +32,18 @@ from typing import Any
 
 import torch
 
-from ._common import HAS_TRITON, autocast_like, autocast_state, interpreting, next_pow2, tl, triton, use_triton
+from ._common import (
+    HAS_TRITON,
+    autocast_like,
+    autocast_state,
+    device_guard,
+    interpreting,
+    next_pow2,
+    tl,
+    triton,
+    use_triton,
+)
+from .configs import launch_config
 
 __all__ = ["linear_cross_entropy"]
 
@@ -26,9 +51,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _ce_kernel(  # type: ignore[no-untyped-def]
-        LOGITS, TARGET, SCALE, LOSS, M, V, ignore_index,
+        LOGITS, TARGET, SCALE, LOSS, LSE, M, V, ignore_index,
         COMPUTE_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
     ):  # fmt: skip
+        # Online max/sum over the row (one read), then, if asked, the gradient written in place
+        # over the logits (second read, one write). Arithmetic in fp32 whatever the storage.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         cols = tl.arange(0, BLOCK_V)
@@ -37,94 +64,234 @@ if HAS_TRITON:
         s = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
             mask = rmask[:, None] & ((start + cols) < V)[None, :]
-            z = tl.load(base + start + cols[None, :], mask=mask, other=float("-inf"))
+            z = tl.load(base + start + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(z, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
             m = m_new
         lse = tl.where(rmask, m + tl.log(tl.where(rmask, s, 1.0)), 0.0)
+        tl.store(LSE + rows, lse, mask=rmask)
         tgt = tl.load(TARGET + rows, mask=rmask, other=ignore_index)
         valid = rmask & (tgt != ignore_index)
         safe_tgt = tl.where(valid, tgt, 0).to(tl.int64)
-        z_tgt = tl.load(LOGITS + rows.to(tl.int64) * V + safe_tgt, mask=valid, other=0.0)
+        z_tgt = tl.load(LOGITS + rows.to(tl.int64) * V + safe_tgt, mask=valid, other=0.0).to(tl.float32)
         tl.store(LOSS + rows, tl.where(valid, lse - z_tgt, 0.0), mask=rmask)
         if COMPUTE_GRAD:
             scale = tl.where(valid, tl.load(SCALE + rows, mask=rmask, other=0.0), 0.0)
             for start in range(0, V, BLOCK_V):
                 c = start + cols
                 mask = rmask[:, None] & (c < V)[None, :]
-                z = tl.load(base + c[None, :], mask=mask, other=0.0)
+                z = tl.load(base + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 g = tl.exp(z - lse[:, None]) - tl.where(c[None, :] == safe_tgt[:, None], 1.0, 0.0)
-                tl.store(base + c[None, :], g * scale[:, None], mask=mask)
+                tl.store(base + c[None, :], (g * scale[:, None]).to(LOGITS.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _softmax_grad_kernel(  # type: ignore[no-untyped-def]
+        LOGITS, LSE, TARGET, SCALE, M, V, v0, ignore_index, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr
+    ):
+        # Pass 2: logits of vocab columns [v0, v0 + V) for all rows, lse known: one read, one write.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        rmask = rows < M
+        mask = rmask[:, None] & (cols < V)[None, :]
+        offs = rows[:, None].to(tl.int64) * V + cols[None, :]
+        z = tl.load(LOGITS + offs, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+        tgt = tl.load(TARGET + rows, mask=rmask, other=ignore_index)
+        scale = tl.where(tgt != ignore_index, tl.load(SCALE + rows, mask=rmask, other=0.0), 0.0)
+        g = tl.exp(z - lse[:, None]) - tl.where((cols + v0)[None, :] == tgt[:, None], 1.0, 0.0)
+        tl.store(LOGITS + offs, (g * scale[:, None]).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def _ce_chunk(
+def _ce_rows(
     logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor | None, ignore_index: int
-) -> torch.Tensor:
-    """Per-token loss of an fp32 ``[C, V]`` chunk; if ``scale`` is given, overwrite the chunk with
-    ``(softmax - onehot) * scale[:, None]`` (zero rows for ignored tokens)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse)`` per row of a ``[C, V]`` chunk (fp32); if ``scale`` is given, overwrite the
+    chunk with ``(softmax - onehot) * scale[:, None]`` (zero rows for ignored tokens)."""
     c, v = logits.shape
+    loss = torch.empty(c, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(c, dtype=torch.float32, device=logits.device)
     if use_triton(logits):
-        loss = torch.empty(c, dtype=torch.float32, device=logits.device)
-        if interpreting():
-            block_v = min(next_pow2(v), 1 << 15)
-            block_m = max(1, min(next_pow2(c), (1 << 17) // block_v))
-        else:
-            block_v, block_m = min(next_pow2(v), 4096), 1
-        _ce_kernel[(triton.cdiv(c, block_m),)](
-            logits, target, scale if scale is not None else loss, loss, c, v, ignore_index,
-            COMPUTE_GRAD=scale is not None, BLOCK_M=block_m, BLOCK_V=block_v,
-            num_warps=8 if block_v >= 2048 else 4,
-        )  # fmt: skip
-        return loss
+        cfg = launch_config("ce", logits.device, v)
+        block_v = min(next_pow2(v), cfg["block_v"])
+        block_m = max(1, min(next_pow2(c), (1 << 17) // block_v)) if interpreting() else 1
+        with device_guard(logits):
+            _ce_kernel[(triton.cdiv(c, block_m),)](
+                logits, target, scale if scale is not None else loss, loss, lse, c, v, ignore_index,
+                COMPUTE_GRAD=scale is not None, BLOCK_M=block_m, BLOCK_V=block_v, num_warps=cfg["num_warps"],
+            )  # fmt: skip
+        return loss, lse
+    zf = logits.float()
     valid = target != ignore_index
     safe_tgt = torch.where(valid, target, 0)
-    lse = torch.logsumexp(logits, dim=1)
-    loss = torch.where(valid, lse - logits.gather(1, safe_tgt[:, None])[:, 0], 0.0)
+    lse = torch.logsumexp(zf, dim=1)
+    loss = torch.where(valid, lse - zf.gather(1, safe_tgt[:, None])[:, 0], 0.0)
     if scale is not None:
-        logits.sub_(lse[:, None]).exp_()
-        logits.scatter_add_(1, safe_tgt[:, None], torch.full_like(lse[:, None], -1.0))
-        logits.mul_(torch.where(valid, scale, 0.0)[:, None])
-    return loss
+        zf.sub_(lse[:, None]).exp_()  # in place: fp32 logits are the chunk itself, and loss is done
+        zf.scatter_add_(1, safe_tgt[:, None], torch.full_like(lse[:, None], -1.0))
+        zf.mul_(torch.where(valid, scale, 0.0)[:, None])
+        if zf is not logits:  # 16-bit chunk: round the fp32 gradient into it
+            logits.copy_(zf)
+    return loss, lse
 
 
-def _chunk_size(tokens: int, vocab: int, hidden: int, chunk_size: int | None) -> int:
-    """Tokens per chunk. Default: Liger-Kernel's rule (logits chunk about the size of ``x``), but
-    at least 256 tokens, so that the per-chunk ``dW`` update (a full ``V x H`` read and write)
-    does not dominate when ``V / H`` is large; never more than ``tokens``."""
+def _softmax_grad(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, v0: int, ignore_index: int
+) -> None:
+    """Overwrite logits of vocab columns ``[v0, v0 + Vb)`` with ``(softmax - onehot) * scale``."""
+    m, vb = logits.shape
+    if use_triton(logits):
+        if interpreting():
+            block_v = min(next_pow2(vb), 1 << 12)
+            block_m = max(1, min(next_pow2(m), (1 << 16) // block_v))
+        else:  # 8 elements (one 16-byte bf16 vector) per thread
+            block_m, block_v = 2, 1024
+        with device_guard(logits):
+            _softmax_grad_kernel[(triton.cdiv(m, block_m), triton.cdiv(vb, block_v))](
+                logits, lse, target, scale, m, vb, v0, ignore_index, BLOCK_M=block_m, BLOCK_V=block_v,
+                num_warps=8,
+            )  # fmt: skip
+        return
+    valid = target != ignore_index
+    g = (logits.float() - lse[:, None]).exp_()
+    local = target - v0
+    hit = valid & (local >= 0) & (local < vb)
+    rows = torch.nonzero(hit)[:, 0]
+    g[rows, local[rows]] -= 1.0
+    logits.copy_(g.mul_(torch.where(valid, scale, 0.0)[:, None]))
+
+
+def _chunk_size(tokens: int, vocab: int, hidden: int, chunk_size: int | None, ratio: float = 1.0) -> int:
+    """Tokens per chunk. Default: Liger-Kernel's rule (a logits chunk about the size of ``x``,
+    times ``ratio``), at least 64 tokens so that the chunk GEMMs still fill the tensor cores;
+    never more than ``tokens``."""
     if chunk_size is not None:
         return max(1, int(chunk_size))
-    return max(1, min(tokens, max(256, next_pow2(_cdiv(tokens, _cdiv(vocab, hidden))))))
+    rule = next_pow2(_cdiv(tokens, _cdiv(vocab, hidden)))
+    return max(1, min(tokens, max(64, int(rule * ratio))))
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _logits(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    z = x_c @ weight.t()
-    if bias is not None:
-        z = z + bias
-    return z.float()
+_OUT_DTYPE_MM: dict[str, bool] = {}
 
 
-def _accumulate_grads(
-    grad: torch.Tensor,
-    x_c: torch.Tensor,
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in a 16-bit dtype, at the 16-bit rate.
+
+    Uses ``addmm(out_dtype=fp32)`` (fp32 accumulation and epilogue in one GEMM) where the build
+    has it for this device; else a 16-bit product (rounded once) added in fp32.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    key = acc.device.type
+    if _OUT_DTYPE_MM.get(key, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE_MM[key] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_MM[key] = False
+    acc.add_(a @ b)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``out = a @ b (+ bias)``, written straight into ``out`` when the dtypes agree."""
+    if out.dtype == a.dtype:
+        if bias is None:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(bias, a, b, out=out)
+    else:
+        out.copy_(a @ b if bias is None else torch.addmm(bias, a, b))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _run(
+    x2: torch.Tensor,
     weight: torch.Tensor,
-    dx: torch.Tensor | None,
-    dw: torch.Tensor | None,
-    db: torch.Tensor | None,
-    lo: int,
-    hi: int,
-) -> None:
-    """Given d loss / d logits of a chunk, add its share to dx, dW, db."""
-    if dx is not None:
-        dx[lo:hi] = (grad.to(weight.dtype) @ weight).to(dx.dtype)
-    if dw is not None:
-        dw.addmm_(grad.t(), x_c.float())
-    if db is not None:
-        db.add_(grad.sum(0))
+    bias: torch.Tensor | None,
+    tgt: torch.Tensor,
+    ignore_index: int,
+    scale: torch.Tensor | None,
+    needs: tuple[bool, bool, bool],
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token losses and, if ``scale`` (fp32 per token) is given, the gradients ``needs``
+    asks for (dx, dW, db), in the dtypes of x, weight and bias. Runs with autocast off: the
+    compute dtype was chosen by the caller (``x2`` and ``weight`` already cast to it)."""
+    cfg = launch_config("lce", x2.device)
+    n, hidden = x2.shape
+    v = weight.shape[0]
+    cdt = x2.dtype
+    step = _chunk_size(n, v, hidden, chunk_size, cfg["chunk_ratio"])
+    need_dx, need_dw, need_db = needs if scale is not None else (False, False, False)
+    need_db = need_db and bias is not None
+    accumulate = cfg["strategy"] == "accumulate"
+    buf = torch.empty(step * v, dtype=cdt, device=x2.device)
+    losses = torch.empty(n, dtype=torch.float32, device=x2.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x2.device)
+    dx = torch.empty(n, hidden, dtype=cdt, device=x2.device) if need_dx else None
+    dw32 = torch.zeros(v, hidden, dtype=torch.float32, device=x2.device) if need_dw and accumulate else None
+    db32 = torch.zeros(v, dtype=torch.float32, device=x2.device) if need_db else None
+    wt = weight.t()
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        z = buf[: (hi - lo) * v].view(hi - lo, v)
+        _mm_into(z, x2[lo:hi], wt, bias)
+        sc = scale[lo:hi] if scale is not None else None
+        losses[lo:hi], lse[lo:hi] = _ce_rows(z, tgt[lo:hi], sc, ignore_index)
+        if dx is not None:
+            _mm_into(dx[lo:hi], z, weight)
+        if dw32 is not None:
+            _addmm_fp32(dw32, z.t(), x2[lo:hi])
+        if db32 is not None and accumulate:
+            db32 += z.sum(0, dtype=torch.float32)
+    dw = dw32 if dw32 is not None else None
+    if (need_dw and not accumulate) or (need_db and not accumulate):
+        assert scale is not None
+        dw, db32 = _vocab_pass(x2, weight, bias, tgt, ignore_index, scale, lse, buf, need_dw, db32)
+    del buf
+    return losses, dx, dw, db32
+
+
+def _vocab_pass(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tgt: torch.Tensor,
+    ignore_index: int,
+    scale: torch.Tensor,
+    lse: torch.Tensor,
+    buf: torch.Tensor,
+    need_dw: bool,
+    db32: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Pass 2 of "recompute": per vocab block, logits again, their gradient from the saved lse,
+    then that block's dW rows (one GEMM over all tokens, so written once) and db entries."""
+    n, hidden = x2.shape
+    v = weight.shape[0]
+    block = max(256, buf.numel() // max(n, 1))
+    if block * n > buf.numel():  # very many tokens: the 256-column floor outgrows pass 1's buffer
+        buf = torch.empty(block * n, dtype=buf.dtype, device=buf.device)
+    dw = torch.empty(v, hidden, dtype=x2.dtype, device=x2.device) if need_dw else None
+    for v0 in range(0, v, block):
+        v1 = min(v0 + block, v)
+        z = buf[: n * (v1 - v0)].view(n, v1 - v0)
+        _mm_into(z, x2, weight[v0:v1].t(), bias[v0:v1] if bias is not None else None)
+        _softmax_grad(z, lse, tgt, scale, v0, ignore_index)
+        if dw is not None:
+            _mm_into(dw[v0:v1], z.t(), x2)
+        if db32 is not None:
+            db32[v0:v1] = z.sum(0, dtype=torch.float32)
+    return dw, db32
 
 
 class _LinearCrossEntropyFn(torch.autograd.Function):
@@ -140,36 +307,28 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         chunk_size: int | None,
     ) -> torch.Tensor:
         hidden = x.shape[-1]
-        x2 = x.reshape(-1, hidden)
-        tgt = target.reshape(-1)
-        n, v = x2.shape[0], weight.shape[0]
-        step = _chunk_size(n, v, hidden, chunk_size)
+        cdt = _compute_dtype(x)
+        x2 = x.reshape(-1, hidden).to(cdt)
+        tgt = target.reshape(-1).contiguous()
+        n = x2.shape[0]
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
         grad_now = reduction != "none" and (need_dx or need_dw or need_db)
         n_valid = (tgt != ignore_index).sum()
-        dx = torch.empty_like(x2) if grad_now and need_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grad_now and need_dw else None
-        db = torch.zeros(v, dtype=torch.float32, device=x.device) if grad_now and need_db else None
-        losses = torch.empty(n, dtype=torch.float32, device=x.device)
         scale = None
         if grad_now:
             s = 1.0 / n_valid.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=x.device)
-            scale = s.expand(step).contiguous()
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            logits = _logits(x2[lo:hi], weight, bias)
-            sc = scale[: hi - lo] if scale is not None else None
-            losses[lo:hi] = _ce_chunk(logits, tgt[lo:hi].contiguous(), sc, ignore_index)
-            if grad_now:
-                _accumulate_grads(logits, x2[lo:hi], weight, dx, dw, db, lo, hi)
-            del logits
-        ctx.meta = (x.shape, reduction, ignore_index, step)
+            scale = s.expand(n).contiguous()  # the kernels read one scale per row
+        ctx.meta = (x.shape, x.dtype, reduction, ignore_index, chunk_size)
         ctx.autocast = autocast_state(x)
+        ctx.consumed = False
+        w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            losses, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
         if reduction == "none":
-            ctx.save_for_backward(x2, weight, tgt, bias)
+            ctx.save_for_backward(x, weight, tgt, bias)
             return losses.view(target.shape).to(x.dtype)
         ctx.save_for_backward(
-            dx.view(x.shape) if dx is not None else None,
+            dx.view(x.shape).to(x.dtype) if dx is not None else None,
             dw.to(weight.dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None and bias is not None else None,
         )
@@ -183,32 +342,38 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        shape, reduction, ignore_index, step = ctx.meta
+        shape, x_dtype, reduction, ignore_index, chunk_size = ctx.meta
         if reduction != "none":
-            dx, dw, db = ctx.saved_tensors
+            if ctx.consumed:
+                raise RuntimeError(
+                    "linear_cross_entropy computes its gradients in forward and scales them in place in "
+                    "backward, so backward runs once; use reduction='none' (then .sum()/.mean()) to "
+                    "backpropagate through it more than once"
+                )
+            ctx.consumed = True
+            grads = ctx.saved_tensors
             g = g.float()
-            dx = (dx * g).to(dx.dtype) if dx is not None else None
-            dw = (dw * g).to(dw.dtype) if dw is not None else None
-            db = (db * g).to(db.dtype) if db is not None else None
+            # In place: these tensors are ours alone (saved by forward), and a copy would double
+            # the weight-sized memory at the peak.
+            for t in grads:
+                if t is not None:
+                    t.mul_(g)
+            dx, dw, db = grads
             return dx, dw, None, db, None, None, None
-        x2, weight, tgt, bias = ctx.saved_tensors
+        x, weight, tgt, bias = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
-        g = g.reshape(-1).float().contiguous()
-        n, v = x2.shape[0], weight.shape[0]
-        dx = torch.empty_like(x2) if need_dx else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x2.device) if need_dw else None
-        db = torch.zeros(v, dtype=torch.float32, device=x2.device) if need_db and bias is not None else None
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            logits = _logits(x2[lo:hi], weight, bias)
-            _ce_chunk(logits, tgt[lo:hi].contiguous(), g[lo:hi], ignore_index)
-            _accumulate_grads(logits, x2[lo:hi], weight, dx, dw, db, lo, hi)
-            del logits
+        hidden = shape[-1]
+        cdt = _compute_dtype(x)
+        x2 = x.reshape(-1, hidden).to(cdt)
+        w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
+        scale = g.reshape(-1).float().contiguous()
+        with torch.autocast(x.device.type, enabled=False):
+            _, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
         return (
-            dx.view(shape) if dx is not None else None,
+            dx.view(shape).to(x_dtype) if dx is not None else None,
             dw.to(weight.dtype) if dw is not None else None,
             None,
-            db.to(bias.dtype) if db is not None else None,
+            db.to(bias.dtype) if db is not None and bias is not None else None,
             None,
             None,
             None,

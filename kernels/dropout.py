@@ -15,13 +15,14 @@ import torch
 from ._common import (
     HAS_TRITON,
     as_seed_tensor,
+    device_guard,
     dropout_scale,
-    interpreting,
     reference_keep_mask,
     tl,
     triton,
     use_triton,
 )
+from .configs import launch_config
 
 __all__ = ["dropout", "dropout_apply"]
 
@@ -43,9 +44,11 @@ def dropout_apply(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor
     if use_triton(x):
         y = torch.empty_like(x)
         numel = x.numel()
-        block = 1 << 16 if interpreting() else 4096
-        grid = (triton.cdiv(numel, block),)
-        _dropout_kernel[grid](x, y, seed, numel, float(p), dropout_scale(p), BLOCK=block)
+        cfg = launch_config("elementwise", x.device)
+        with device_guard(x):
+            _dropout_kernel[(triton.cdiv(numel, cfg["block"]),)](
+                x, y, seed, numel, float(p), dropout_scale(p), BLOCK=cfg["block"], num_warps=cfg["num_warps"]
+            )
         return y
     keep = reference_keep_mask(seed, x.numel(), p, x.device).view(x.shape)
     return torch.where(keep, x * dropout_scale(p), torch.zeros((), dtype=x.dtype, device=x.device))

@@ -142,8 +142,7 @@ class _BiasGeluLinearFn(torch.autograd.Function):
             del g
         else:
             dw, db = _linear_grads(dout2, x2, weight, False, need[3], has_bias)
-        dx = bias_gelu_backward(dout2 @ weight, x2, act_bias, approximate)
-        dab = dx.float().sum(0).to(act_bias.dtype) if act_bias is not None and need[1] else None
+        dx, dab = bias_gelu_backward(dout2 @ weight, x2, act_bias, approximate, want_dbias=need[1])
         return dx.view(shape), dab, dw, db, None
 
 

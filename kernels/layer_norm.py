@@ -20,6 +20,7 @@ import torch
 from ._common import (
     HAS_TRITON,
     as_seed_tensor,
+    device_guard,
     dropout_scale,
     interpreting,
     next_pow2,
@@ -28,6 +29,7 @@ from ._common import (
     triton,
     use_triton,
 )
+from .configs import launch_config
 
 __all__ = ["add_dropout_layer_norm", "add_dropout_rms_norm", "norm_forward", "norm_backward"]
 
@@ -126,10 +128,12 @@ if HAS_TRITON:
             tl.store(DB + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
-def _block_m(m: int, block_n: int) -> int:
-    """Rows per block: many under the interpreter (its cost is per program), few on a GPU."""
-    budget = 1 << 16 if interpreting() else 4096
-    return max(1, min(next_pow2(m), budget // block_n))
+def _rows_per_block(rows: int, m: int, block_n: int) -> int:
+    """Rows per block from a config's ``rows``; 0 means as many as fit a block of 4096 elements
+    (2**16 under the interpreter, whose cost is per program)."""
+    if rows <= 0:
+        rows = max(1, (1 << 16 if interpreting() else 4096) // block_n)
+    return max(1, min(next_pow2(m), next_pow2(rows)))
 
 
 def norm_forward(
@@ -143,22 +147,29 @@ def norm_forward(
     seed: torch.Tensor | None,
     store_res: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Forward on 2-D contiguous inputs; returns ``(out, new_residual | None, mean | None, rstd)``."""
+    """Forward on 2-D contiguous inputs; returns ``(out, new_residual | None, mean | None, rstd)``.
+
+    ``out`` has x's dtype; ``new_residual`` the promoted dtype of x and the residual, so that an
+    fp32 residual stream stays fp32 when x is bf16.
+    """
     m, n = x.shape
     has_drop = p > 0.0
+    res_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     if n <= MAX_TRITON_COLS and use_triton(x):
         y = torch.empty_like(x)
-        res = torch.empty_like(x) if store_res else None
+        res = torch.empty(x.shape, dtype=res_dtype, device=x.device) if store_res else None
         mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block_n = next_pow2(n)
-        block_m = _block_m(m, block_n)
-        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x, residual, weight, bias, y, res, mean, rstd, seed, m, n, float(eps), float(p),
-            dropout_scale(p), HAS_RES=residual is not None, HAS_DROP=has_drop,
-            HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms, STORE_RES=store_res,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=min(max(block_n * block_m // 256, 1), 16),
-        )  # fmt: skip
+        cfg = launch_config("norm_fwd", x.device, n)
+        block_m = _rows_per_block(cfg["rows"], m, block_n)
+        with device_guard(x):
+            _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+                x, residual, weight, bias, y, res, mean, rstd, seed, m, n, float(eps), float(p),
+                dropout_scale(p), HAS_RES=residual is not None, HAS_DROP=has_drop,
+                HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms, STORE_RES=store_res,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg["num_warps"],
+            )  # fmt: skip
         return y, res, mean, rstd
     xf = x.float()
     if has_drop:
@@ -169,7 +180,7 @@ def norm_forward(
         xf = xf + residual.float()
     res = None
     if store_res:
-        res = xf.to(x.dtype)
+        res = xf.to(res_dtype)
         xf = res.float()
     if is_rms:
         mean = None
@@ -197,33 +208,38 @@ def norm_backward(
     p: float,
     seed: torch.Tensor | None,
     store_dr: bool,
+    dx_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Backward on 2-D inputs; returns ``(dx, d_residual | None, dweight | None, dbias | None)``."""
+    """Backward on 2-D inputs; returns ``(dx, d_residual | None, dweight | None, dbias | None)``.
+
+    ``dx`` has ``dx_dtype`` (default: res's), ``d_residual`` res's dtype.
+    """
+    dx_dtype = dx_dtype or res.dtype
     m, n = res.shape
     is_rms = mean is None
     has_drop = p > 0.0
     if n <= MAX_TRITON_COLS and use_triton(res):
         dy = dy.contiguous()
         dres = dres.contiguous() if dres is not None else None
-        dx = torch.empty_like(res)
+        dx = torch.empty(res.shape, dtype=dx_dtype, device=res.device)
         dr = torch.empty_like(res) if store_dr else None
         block_n = next_pow2(n)
-        block_m = _block_m(m, block_n)
-        if interpreting():
-            progs = 1
-        else:
-            sms = torch.cuda.get_device_properties(res.device).multi_processor_count
-            progs = max(1, min(triton.cdiv(m, block_m), 2 * sms))
+        cfg = launch_config("norm_bwd", res.device, n)
+        block_m = _rows_per_block(cfg["rows"], m, block_n)
+        # Off CUDA (the interpreter) count one "SM", so a config's program count is testable there.
+        sms = torch.cuda.get_device_properties(res.device).multi_processor_count if res.is_cuda else 1
+        progs = max(1, min(triton.cdiv(m, block_m), cfg["progs_per_sm"] * sms))
         rows_per_prog = triton.cdiv(triton.cdiv(m, progs), block_m) * block_m
         progs = triton.cdiv(m, rows_per_prog)
         dw = torch.empty(progs, n, dtype=torch.float32, device=res.device) if weight is not None else None
         db = torch.empty(progs, n, dtype=torch.float32, device=res.device) if has_bias else None
-        _norm_bwd_kernel[(progs,)](
-            dy, dres, res, weight, mean, rstd, seed, dx, dr, dw, db, m, n, float(p), dropout_scale(p),
-            rows_per_prog, HAS_DRES=dres is not None, HAS_DROP=has_drop, HAS_W=weight is not None,
-            HAS_B=has_bias, IS_RMS=is_rms, STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=min(max(block_n * block_m // 256, 1), 16),
-        )  # fmt: skip
+        with device_guard(res):
+            _norm_bwd_kernel[(progs,)](
+                dy, dres, res, weight, mean, rstd, seed, dx, dr, dw, db, m, n, float(p), dropout_scale(p),
+                rows_per_prog, HAS_DRES=dres is not None, HAS_DROP=has_drop, HAS_W=weight is not None,
+                HAS_B=has_bias, IS_RMS=is_rms, STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=cfg["num_warps"],
+            )  # fmt: skip
         dw_out = dw.sum(0).to(weight.dtype) if weight is not None and dw is not None else None
         db_out = db.sum(0).to(weight.dtype if weight is not None else res.dtype) if db is not None else None
         return dx, dr, dw_out, db_out
@@ -245,7 +261,7 @@ def norm_backward(
         dxf = torch.where(keep, dxf * dropout_scale(p), 0.0)
     dw_out = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else None
     db_out = dyf.sum(0).to(weight.dtype if weight is not None else res.dtype) if has_bias else None
-    return dxf.to(res.dtype), dr, dw_out, db_out
+    return dxf.to(dx_dtype), dr, dw_out, db_out
 
 
 class _AddDropoutNormFn(torch.autograd.Function):
@@ -268,7 +284,7 @@ class _AddDropoutNormFn(torch.autograd.Function):
         store_res = residual is not None or p > 0.0
         y, res, mean, rstd = norm_forward(x2, r2, weight, bias, p, eps, is_rms, seed, store_res)
         ctx.save_for_backward(res if store_res else x2, weight, mean, rstd, seed)
-        ctx.meta = (shape, p, residual is not None, bias is not None, store_res)
+        ctx.meta = (shape, p, residual is not None, bias is not None, store_res, x.dtype)
         ctx.set_materialize_grads(False)
         if res is not None:
             return y.view(shape), res.view(shape)
@@ -279,11 +295,11 @@ class _AddDropoutNormFn(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor | None, dres: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, ...]:
         res, weight, mean, rstd, seed = ctx.saved_tensors
-        shape, p, has_res, has_bias, _ = ctx.meta
+        shape, p, has_res, has_bias, _, x_dtype = ctx.meta
         n = shape[-1]
         dy = torch.zeros_like(res) if dy is None else dy.reshape(-1, n)
         dres = dres.reshape(-1, n) if dres is not None else None
-        dx, dr, dw, db = norm_backward(dy, dres, res, weight, has_bias, mean, rstd, p, seed, has_res)
+        dx, dr, dw, db = norm_backward(dy, dres, res, weight, has_bias, mean, rstd, p, seed, has_res, x_dtype)
         dr = dr.view(shape) if dr is not None else None
         if weight is None or not ctx.needs_input_grad[2]:
             dw = None

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from ._common import HAS_TRITON, interpreting, tl, triton, use_triton
+from ._common import HAS_TRITON, device_guard, tl, triton, use_triton
+from .configs import launch_config
 
 __all__ = ["swiglu"]
 
@@ -34,8 +35,12 @@ if HAS_TRITON:
         tl.store(DB + offs, (dy * silu).to(DB.dtype.element_ty), mask=mask)
 
 
-def _block() -> int:
-    return 1 << 17 if interpreting() else 2048
+def _launch(kernel: Any, t: torch.Tensor, *args: Any) -> None:
+    """Launch a flat elementwise kernel over ``t.numel()`` elements with the tuned block/warps."""
+    cfg = launch_config("elementwise", t.device)
+    numel = t.numel()
+    with device_guard(t):
+        kernel[(triton.cdiv(numel, cfg["block"]),)](*args, numel, BLOCK=cfg["block"], num_warps=cfg["num_warps"])
 
 
 class _SwigluFn(torch.autograd.Function):
@@ -46,8 +51,7 @@ class _SwigluFn(torch.autograd.Function):
         ctx.save_for_backward(a, b)
         if use_triton(a2):
             y = torch.empty_like(a2)
-            numel = a2.numel()
-            _swiglu_fwd_kernel[(triton.cdiv(numel, _block()),)](a2, b2, y, numel, BLOCK=_block())
+            _launch(_swiglu_fwd_kernel, a2, a2, b2, y)
             return y
         af = a2.float()
         return (torch.nn.functional.silu(af) * b2.float()).to(a2.dtype)
@@ -59,8 +63,7 @@ class _SwigluFn(torch.autograd.Function):
         a2, b2, dy = a2.contiguous(), b2.contiguous(), dy.contiguous()
         if use_triton(a2):
             da, db = torch.empty_like(a2), torch.empty_like(b2)
-            numel = a2.numel()
-            _swiglu_bwd_kernel[(triton.cdiv(numel, _block()),)](dy, a2, b2, da, db, numel, BLOCK=_block())
+            _launch(_swiglu_bwd_kernel, a2, dy, a2, b2, da, db)
         else:
             af, bf, dyf = a2.float(), b2.float(), dy.float()
             s = torch.sigmoid(af)

@@ -66,21 +66,26 @@ def _cases() -> list:
     p = "*bf16"
     out += _norm_cases("bf16")
     for tanh in (False, True):
-        consts = dict(HAS_B=True, TANH=tanh, BLOCK=2048)
-        sig = dict(X=p, B=p, Y=p, numel="i32", N="i32", HAS_B=C, TANH=C, BLOCK=C)
+        consts = dict(HAS_B=True, TANH=tanh, BLOCK_R=8, BLOCK_C=512)
+        sig = dict(X=p, B=p, Y=p, M="i32", N="i32", HAS_B=C, TANH=C, BLOCK_R=C, BLOCK_C=C)
         out.append(("bias_gelu", "_bias_gelu_fwd_kernel", sig, consts))
-        sig = dict(DY=p, X=p, B=p, DX=p, numel="i32", N="i32", HAS_B=C, TANH=C, BLOCK=C)
-        out.append(("bias_gelu", "_bias_gelu_bwd_kernel", sig, consts))
+        sig = dict(DY=p, X=p, B=p, DX=p, DBP="*fp32", M="i32", N="i32", rows_per_prog="i32", HAS_B=C, WANT_DB=C,
+                   TANH=C, BLOCK_R=C, BLOCK_C=C)  # fmt: skip
+        out.append(("bias_gelu", "_bias_gelu_bwd_kernel", sig, {**consts, "WANT_DB": True}))
     sig = dict(A=p, B=p, Y=p, numel="i32", BLOCK=C)
     out.append(("swiglu", "_swiglu_fwd_kernel", sig, dict(BLOCK=2048)))
     sig = dict(DY=p, A=p, B=p, DA=p, DB=p, numel="i32", BLOCK=C)
     out.append(("swiglu", "_swiglu_bwd_kernel", sig, dict(BLOCK=2048)))
     sig = dict(X=p, Y=p, SEED="*i64", numel="i32", p="fp32", scale="fp32", BLOCK=C)
     out.append(("dropout", "_dropout_kernel", sig, dict(BLOCK=4096)))
-    for grad in (False, True):
-        sig = dict(LOGITS="*fp32", TARGET="*i64", SCALE="*fp32", LOSS="*fp32", M="i32", V="i32",
-                   ignore_index="i32", COMPUTE_GRAD=C, BLOCK_M=C, BLOCK_V=C)  # fmt: skip
-        out.append(("cross_entropy", "_ce_kernel", sig, dict(COMPUTE_GRAD=grad, BLOCK_M=1, BLOCK_V=4096)))
+    for dt in ("fp32", "bf16"):
+        for grad in (False, True):
+            sig = dict(LOGITS="*" + dt, TARGET="*i64", SCALE="*fp32", LOSS="*fp32", LSE="*fp32", M="i32", V="i32",
+                       ignore_index="i32", COMPUTE_GRAD=C, BLOCK_M=C, BLOCK_V=C)  # fmt: skip
+            out.append(("cross_entropy", "_ce_kernel", sig, dict(COMPUTE_GRAD=grad, BLOCK_M=1, BLOCK_V=4096)))
+        sig = dict(LOGITS="*" + dt, LSE="*fp32", TARGET="*i64", SCALE="*fp32", M="i32", V="i32", v0="i32",
+                   ignore_index="i32", BLOCK_M=C, BLOCK_V=C)  # fmt: skip
+        out.append(("cross_entropy", "_softmax_grad_kernel", sig, dict(BLOCK_M=4, BLOCK_V=1024)))
     return out
 
 

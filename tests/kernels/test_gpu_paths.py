@@ -66,3 +66,29 @@ def test_cuda_dropout_in_norm_is_reproducible():
     ref = F.layer_norm(r + x * keep / 0.8, (1000,))
     assert torch.equal(a, b)
     torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_launches_follow_the_tensors_device():
+    """Every op on cuda:1 while cuda:0 is current: the launches are guarded onto the tensor's GPU."""
+    dev = torch.device("cuda:1")
+    x, r = torch.randn(65, 300, device=dev, requires_grad=True), torch.randn(65, 300, device=dev)
+    w, b = torch.randn(300, device=dev, requires_grad=True), torch.randn(300, device=dev, requires_grad=True)
+    weight = torch.randn(50, 300, device=dev, requires_grad=True)
+    target = torch.randint(0, 50, (65,), device=dev)
+    with torch.cuda.device(0):
+        out = fk.add_dropout_layer_norm(x, r, w, b, p=0.1, seed=3)[0]
+        out = fk.swiglu(fk.bias_gelu(out, b), out) + fk.dropout(out, 0.1, seed=4)
+        loss = fk.linear_cross_entropy(out, weight, target)
+        loss.backward()
+    torch.cuda.synchronize(dev)
+    xc, rc = x.detach().cpu().requires_grad_(), r.cpu()
+    wc, bc = w.detach().cpu().requires_grad_(), b.detach().cpu().requires_grad_()
+    keep = (fk.dropout(torch.ones(65, 300, device=dev), 0.1, seed=3) != 0).cpu()
+    ref = F.layer_norm(rc + xc * keep / 0.9, (300,), wc, bc)
+    keep2 = (fk.dropout(torch.ones(65, 300, device=dev), 0.1, seed=4) != 0).cpu()
+    ref = F.silu(F.gelu(ref + bc)) * ref + ref * keep2 / 0.9
+    ref_loss = F.cross_entropy(ref @ weight.detach().cpu().t(), target.cpu())
+    ref_loss.backward()
+    torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad.cpu(), xc.grad, rtol=1e-3, atol=1e-4)

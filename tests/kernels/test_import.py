@@ -40,8 +40,9 @@ def test_works_without_triton(tmp_path):
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     # Run outside the checkout so the installed package is imported, not the source tree.
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
