@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from kernel_testutils import INTERPRET, EagerMLPBlock
 from torch.utils.checkpoint import checkpoint
 
@@ -29,13 +30,17 @@ def test_numbers_match_eager(hidden, ffn):
     x = torch.randn(2, ROWS, hidden)
     xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     ye, yf = eager(xe), fused(xf)
-    torch.testing.assert_close(yf, ye, rtol=1e-4, atol=1e-3)
+    # Same math, other reduction orders (fused kernels vs eager, and the BLAS kernel the CPU
+    # picks): the tolerance follows the reductions on the path, LayerNorm + fc1 + fc2, plus
+    # the rows a weight gradient sums over.
+    k = 2 * hidden + ffn + x.shape[0] * x.shape[1]
+    assert_close_reordered(yf, ye, k=k)
     g = torch.randn_like(ye)
     ye.backward(g)
     yf.backward(g)
-    torch.testing.assert_close(xf.grad, xe.grad, rtol=1e-4, atol=1e-3)
+    assert_close_reordered(xf.grad, xe.grad, k=k)
     for (name, pe), pf in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        torch.testing.assert_close(pf.grad, pe.grad, rtol=1e-4, atol=1e-2, msg=name)
+        assert_close_reordered(pf.grad, pe.grad, k=k, msg=name)
 
 
 def test_saves_at_most_half_of_eager(saved_bytes):
