@@ -304,7 +304,7 @@ def profile_layers(
     x = sample.to(device) if device is not None else sample
     cuda = x.is_cuda
     fwd, bwd, acts, params = [], [], [], []
-    for layer in module.children():
+    for layer in module:  # every entry: children() would skip a layer used twice
         param_list = list(layer.parameters())
         if param_list and param_list[0].device != x.device:
             x = x.to(param_list[0].device)  # a model already spread over devices

@@ -89,10 +89,23 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                 setattr(new, name, getattr(module, name))
             new.train(module.training)
             return new
-        for name, child in module.named_children():
-            converted = cls.convert(child)
-            if converted is not child:
-                setattr(module, name, converted)
+        return cls._convert(module, {})
+
+    @classmethod
+    def _convert(cls, module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+        # ``_modules`` rather than ``named_children()``, which skips a module seen before:
+        # a BatchNorm used twice must become the same DeferredBatchNorm in both places.
+        if id(module) in done:
+            return done[id(module)]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            done[id(module)] = cls.convert(module)
+            return done[id(module)]
+        done[id(module)] = module
+        for name, child in list(module._modules.items()):
+            if child is not None:
+                converted = cls._convert(child, done)
+                if converted is not child:
+                    setattr(module, name, converted)
         return module
 
 

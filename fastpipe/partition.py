@@ -8,9 +8,20 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["Device", "check_module", "check_balance", "resolve_devices", "split", "first_layer_in_place"]
+__all__ = ["Device", "layers_of", "check_module", "check_balance", "resolve_devices", "split", "first_layer_in_place"]
 
 Device = str | int | torch.device
+
+
+def layers_of(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every layer of ``module`` with its name, in order, a layer used twice included twice.
+
+    ``named_children()``/``children()`` (like ``parameters()``) skip an object already seen,
+    so in ``nn.Sequential(shared, act, shared)`` the second ``shared`` would vanish and the
+    layer count would no longer match ``len(module)``. ``Sequential.forward`` and
+    ``state_dict()`` see every entry; so must anything that cuts or registers layers.
+    """
+    return list(module._modules.items())
 
 
 def check_module(module: object) -> nn.Sequential:
@@ -46,7 +57,13 @@ def check_balance(balance: object, num_layers: int) -> list[int]:
 
 
 def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[torch.device]:
-    """One device per stage. ``None`` means one visible GPU per stage, else CPU for all."""
+    """One device per stage. ``None`` means one visible GPU per stage, else CPU for all.
+
+    A longer list is accepted and its first ``num_stages`` entries used (torchgpipe does the
+    same, so code that passes every visible GPU keeps working). CUDA devices are checked
+    against ``torch.cuda`` here, so a missing GPU is named now rather than by torch's error
+    at the first copy.
+    """
     if devices is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -57,36 +74,65 @@ def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[t
                 "(entries may repeat, e.g. ['cuda:0', 'cuda:0', ...]) or use fewer stages"
             )
         return [torch.device("cuda", i) for i in range(num_stages)]
-    if isinstance(devices, (str, int, torch.device)):
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Sequence):
         raise TypeError(f"fastpipe: devices must be a list with one device per stage, got {devices!r}")
-    out = []
-    for d in devices:
-        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        out.append(dev)
-    if len(out) != num_stages:
+    if len(devices) < num_stages:
         raise ValueError(
-            f"fastpipe: {len(out)} devices for {num_stages} stages (len(balance)); give exactly one device "
+            f"fastpipe: {len(devices)} devices for {num_stages} stages (len(balance)); give at least one device "
             "per stage (repeat a device to put several stages on it)"
         )
+    out = [_device(d, i) for i, d in enumerate(devices[:num_stages])]
+    _check_cuda_devices(out, list(devices[:num_stages]))
     return out
 
 
-def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
-    """Cut ``module`` into contiguous stages, refusing parameters shared across stages.
+def _device(d: object, i: int) -> torch.device:
+    if isinstance(d, bool) or not isinstance(d, (str, int, torch.device)):
+        raise TypeError(f"fastpipe: devices[{i}] = {d!r} is not a device; give e.g. 'cuda:0', 'cpu' or 0")
+    try:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    except RuntimeError as exc:
+        raise ValueError(f"fastpipe: devices[{i}] = {d!r} is not a device name ({exc}); "
+                         "give e.g. 'cuda:0' or 'cpu'") from None
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return dev
 
-    A parameter, buffer or module used by two stages would be updated from two devices
-    and two threads at once, so it is rejected with the names of both uses.
+
+def _check_cuda_devices(devices: list[torch.device], asked: list[object]) -> None:
+    wanted = [d for d in devices if d.type == "cuda"]
+    if not wanted:
+        return
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    missing = sorted({d.index for d in wanted if d.index is None or d.index >= count})
+    if not missing:
+        return
+    seen = (f"torch.cuda.is_available() is {available} and torch.cuda.device_count() is {count}"
+            + ("" if torch.version.cuda else " (this torch is a CPU-only build)"))
+    raise ValueError(
+        f"fastpipe: devices={asked!r} asks for {', '.join(f'cuda:{i}' for i in missing)}, but {seen}. "
+        + ("Use devices=['cpu'] * len(balance) (or devices=None) on this host, or run where the GPUs are visible"
+           if count == 0 else f"Use indices 0..{count - 1} (entries may repeat) or check CUDA_VISIBLE_DEVICES")
+    )
+
+
+def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``module`` into contiguous stages, refusing objects shared across stages.
+
+    A layer used twice (or any parameter, buffer or submodule reached from two layers) is a
+    tied weight. Within one stage it works as in the Sequential: both uses run, and the
+    shared parameter's gradient is the sum of both. Across stages it would be updated from
+    two devices and two threads at once, so it is refused, naming both uses and a balance
+    that puts them in one stage.
     """
-    layers = list(module.named_children())
+    layers = layers_of(module)
     stages: list[nn.Sequential] = []
-    owner: dict[int, tuple[int, str]] = {}
+    owner: dict[int, tuple[int, int, str]] = {}  # id -> (stage, layer index, name)
     start = 0
     for s, count in enumerate(balance):
-        chunk = layers[start:start + count]
-        start += count
-        for layer_name, layer in chunk:
+        for index in range(start, start + count):
+            layer_name, layer = layers[index]
             for kind, items in (
                 ("module", layer.named_modules(remove_duplicate=False)),
                 ("parameter", layer.named_parameters(remove_duplicate=False)),
@@ -96,15 +142,24 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
                     if obj is None:
                         continue
                     full = f"{layer_name}.{name}" if name else layer_name
-                    seen = owner.setdefault(id(obj), (s, full))
+                    seen = owner.setdefault(id(obj), (s, index, full))
                     if seen[0] != s:
-                        raise ValueError(
-                            f"fastpipe: {kind} '{full}' (stage {s}) is the same object as '{seen[1]}' "
-                            f"(stage {seen[0]}); shared {kind}s must sit in one stage: change balance so "
-                            "both uses fall in the same stage, or untie them"
-                        )
-        stages.append(nn.Sequential(OrderedDict(chunk)))
+                        raise ValueError(_tied_across_stages(kind, (s, index, full), seen, list(balance)))
+        stages.append(nn.Sequential(OrderedDict(layers[start:start + count])))
+        start += count
     return stages
+
+
+def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, int, str],
+                        balance: list[int]) -> str:
+    (stage, index, name), (first_stage, first_index, first_name) = use, first
+    merged = balance[:first_stage] + [sum(balance[first_stage:stage + 1])] + balance[stage + 1:]
+    return (
+        f"fastpipe: {kind} '{name}' (layer {index}, stage {stage}) is the same object as '{first_name}' "
+        f"(layer {first_index}, stage {first_stage}). A {kind} used in two places is a tied weight, and a tied "
+        f"weight cannot span stages: each stage runs on its own device and thread. Put both uses in one stage "
+        f"through balance (e.g. balance={merged}), or untie them (give each use its own copy)"
+    )
 
 
 def first_layer_in_place(stage: nn.Sequential) -> bool:

@@ -19,6 +19,7 @@ from fastpipe.partition import (
     check_balance,
     check_module,
     first_layer_in_place,
+    layers_of,
     resolve_devices,
     split,
 )
@@ -40,6 +41,13 @@ _MOVE_REFUSED = (
     "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
     "(.to(torch.float64), .double(), .half()) are allowed."
 )
+
+
+def _call_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def show(v: Any) -> str:
+        return f"<tensor on {v.device}>" if isinstance(v, Tensor) else repr(v)
+
+    return ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
 
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -167,7 +175,7 @@ class Pipe(nn.Module):
 
         # Register the layers under their own names (state_dict keys match the
         # Sequential's); the stages are plain lists so they do not register twice.
-        for name, layer in module.named_children():
+        for name, layer in layers_of(module):
             self.add_module(name, layer)
         stage_modules = split(module, balance)
         for stage, device in zip(stage_modules, device_list):
@@ -185,7 +193,7 @@ class Pipe(nn.Module):
         return sum(self.balance)
 
     def __getitem__(self, index: int) -> nn.Module:
-        return list(self.children())[index]
+        return list(self._modules.values())[index]  # type: ignore[return-value]  # repeats included
 
     @property
     def partitions(self) -> list[nn.Sequential]:
@@ -193,20 +201,30 @@ class Pipe(nn.Module):
         return [s.module for s in self._stages]  # type: ignore[misc]
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
-        device = kwargs.get("device")
-        for a in args:
-            if isinstance(a, (str, int, torch.device)):
-                device = a
-            elif isinstance(a, Tensor):
-                device = a.device
+        """Dtype changes only (``pipe.to(torch.float64)``); any device, in any form, is refused."""
+        # torch's own parser, so every spelling nn.Module.to accepts (a device, a tensor
+        # positionally or as tensor=, device and dtype together, non_blocking...) is seen.
+        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
-            raise TypeError(_MOVE_REFUSED)
+            raise TypeError(f"{_MOVE_REFUSED} (got .to({_call_text(args, kwargs)}))")
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> Pipe:
         raise TypeError(_MOVE_REFUSED)
 
     def cpu(self) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def xpu(self, device: Any = None) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def ipu(self, device: Any = None) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def mtia(self, device: Any = None) -> Pipe:
+        raise TypeError(_MOVE_REFUSED)
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> Pipe:
         raise TypeError(_MOVE_REFUSED)
 
     def close(self) -> None:
