@@ -33,6 +33,15 @@ def check_module(module: object) -> nn.Sequential:
         )
     if len(module) == 0:
         raise ValueError("fastpipe.Pipe got an empty nn.Sequential; it needs at least one layer")
+    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in items:
+            if tensor.is_meta:
+                raise ValueError(
+                    f"fastpipe: the model's {kind} '{name}' is on the meta device (a shape without data), so "
+                    "its stages cannot be placed. Materialise the model first: model.to_empty(device='cpu'), "
+                    "then initialise it (reset_parameters() or load_state_dict); under torchrun, "
+                    "DistributedPipe.from_stage_builder builds each rank's stages on meta and materialises them"
+                )
     return module
 
 

@@ -50,6 +50,26 @@ def _call_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
 
 
+def _check_input(input: Value) -> None:
+    check_value(input, "input")
+    for i, t in enumerate(tensors_of(input)):
+        if t.is_meta:
+            raise ValueError(f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
+                             "tensor with data (any device: it is copied to the first stage's)")
+
+
+def _loss_scale(scaler: Any, device: torch.device) -> float:
+    """The factor by which ``scaler`` scales the loss this step (1.0 without one)."""
+    if scaler is None:
+        return 1.0
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"fastpipe: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return 1.0
+    # scaler.scale() also creates the scale on first use, which scaler.step() relies on.
+    return float(scaler.scale(torch.ones((), device=device)).item())
+
+
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     # The messages speak of Pipe's own arguments; build_for checks the rest.
     if virtual_stages < 1 or stages % virtual_stages:
@@ -153,6 +173,13 @@ class Pipe(nn.Module):
             raise ValueError(f"fastpipe: chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"fastpipe: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+            raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
+        if not isinstance(balance, str):
+            unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
+            if unused:
+                raise TypeError(f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
+                                "balance); drop them, or pass balance='auto'")
         if isinstance(balance, str):
             if balance != "auto":
                 raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
@@ -160,6 +187,9 @@ class Pipe(nn.Module):
                                    virtual_stages=virtual_stages, memory_limit=memory_limit)
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(devices, len(balance))
+        # Fail here, not at the first train_step: the schedule's name and virtual stages (any
+        # micro-batch count that is a multiple of the workers satisfies every builder).
+        _schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -202,10 +232,12 @@ class Pipe(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         """Dtype changes only (``pipe.to(torch.float64)``); any device, in any form, is refused."""
-        # torch's own parser, so every spelling nn.Module.to accepts (a device, a tensor
-        # positionally or as tensor=, device and dtype together, non_blocking...) is seen.
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        # The obvious spellings are caught before torch's parser (which raises its own error
+        # for an index on a host without that accelerator); the parser then sees every other
+        # form nn.Module.to accepts (device and dtype together, non_blocking, ...).
+        moves = kwargs.get("device") is not None or "tensor" in kwargs or any(
+            isinstance(a, (str, int, torch.device, Tensor)) and not isinstance(a, bool) for a in args)
+        if moves or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
             raise TypeError(f"{_MOVE_REFUSED} (got .to({_call_text(args, kwargs)}))")
         return super().to(*args, **kwargs)
 
@@ -234,8 +266,12 @@ class Pipe(nn.Module):
     # -- running ------------------------------------------------------------------------
 
     def forward(self, input: Value) -> Value:
-        """Run the pipeline on a mini-batch; returns the output on the last stage's device."""
-        check_value(input, "input")
+        """Run the pipeline on a mini-batch; returns the output on the last stage's device.
+
+        Input tensors on another device than the first stage's are copied there (as the
+        stages hand activations on), so a CPU batch can feed a GPU pipeline directly.
+        """
+        _check_input(input)
         microbatches = scatter(input, self.chunks)
         params = [p for s in self._stages for p in s.params]
         grad = torch.is_grad_enabled() and (
@@ -272,6 +308,7 @@ class Pipe(nn.Module):
         schedule: str | None = None,
         virtual_stages: int | None = None,
         trace: bool | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Tensor:
         """Forward and backward of one mini-batch under a schedule; returns the loss.
 
@@ -293,8 +330,14 @@ class Pipe(nn.Module):
             virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
                 worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
+            scaler: a ``torch.amp.GradScaler``: the backward runs on the scaled loss, as
+                ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
+                then ``scaler.step(opt); scaler.update()`` as usual.
         """
-        check_value(input, "input")
+        _check_input(input)
+        if not callable(loss_fn):
+            raise TypeError(f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()")
         microbatches = scatter(input, self.chunks)
         count = len(microbatches)
         targets: list[Any] = [None] * count
@@ -304,7 +347,8 @@ class Pipe(nn.Module):
             if [batch_size(t, "target") for t in targets] != [batch_size(x) for x in microbatches]:
                 raise ValueError(
                     f"fastpipe: target batch size {batch_size(target, 'target')} differs from the input's "
-                    f"{batch_size(input)}; they are split into micro-batches together"
+                    f"{batch_size(input)}; give one target row per input row (they are split into "
+                    "micro-batches together)"
                 )
         sizes = [batch_size(x) for x in microbatches]
         reduction = getattr(loss_fn, "reduction", "mean")
@@ -319,8 +363,9 @@ class Pipe(nn.Module):
         def checkpoint(m: int) -> bool:
             return mode == "always" or (mode == "except_last" and m < count - 1)
 
+        scale = _loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
-            sched, microbatches, LossSpec(loss_fn, targets, weights), checkpoint=checkpoint,
+            sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]), checkpoint=checkpoint,
             caller=CallerState.capture(), step_seed=draw_step_seed(),
         )
         self._after_forward()

@@ -49,6 +49,12 @@ def test_too_few_devices():
         Pipe(model(), balance=[2, 2], devices="cpu")
 
 
+def test_more_devices_than_stages_uses_the_first():
+    # torchgpipe's rule: code that passes every visible device keeps working.
+    pipe = Pipe(model(), balance=[2, 2], devices=["cpu", torch.device("cpu"), "cuda:7"])
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
 def test_devices_none_means_cpu_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
