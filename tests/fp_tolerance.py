@@ -30,7 +30,7 @@ import math
 
 import torch
 
-__all__ = ["FACTOR", "reordering_tolerance", "assert_close_reordered"]
+__all__ = ["FACTOR", "reordering_tolerance", "assert_close_reordered", "close_reordered"]
 
 FACTOR = 8.0
 
@@ -45,6 +45,8 @@ def reordering_tolerance(expected: torch.Tensor, k: int, *, dtype: torch.dtype |
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if not (dtype or expected.dtype).is_floating_point:
+        return {"rtol": 0.0, "atol": 0.0}  # integers (counters, indices) have no rounding
     eps = torch.finfo(dtype or expected.dtype).eps
     rtol = FACTOR * eps * math.sqrt(k)
     scale = expected.detach().double().square().mean().sqrt().item() if expected.numel() else 0.0
@@ -54,3 +56,9 @@ def reordering_tolerance(expected: torch.Tensor, k: int, *, dtype: torch.dtype |
 def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, *, k: int, msg: str | None = None) -> None:
     """``assert_close`` with :func:`reordering_tolerance` of ``expected`` for reductions of length ``k``."""
     torch.testing.assert_close(actual, expected, **reordering_tolerance(expected, k), msg=msg)
+
+
+def close_reordered(actual: torch.Tensor, expected: torch.Tensor, *, k: int) -> bool:
+    """:func:`assert_close_reordered` as a bool (for code that collects problems, e.g. on ranks)."""
+    tol = reordering_tolerance(expected, k)
+    return actual.shape == expected.shape and torch.allclose(actual, expected, rtol=tol["rtol"], atol=tol["atol"])

@@ -4,11 +4,15 @@ import copy
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+# Reductions from input to loss (Linear and LayerNorm widths, the loss's mean), plus the rows a
+# weight gradient sums over: micro-batches against the full batch round differently.
+K = 8 + 16 + 16 + 16 + 8 + 8 * 16 + 16
 
 
 def model():
@@ -35,9 +39,9 @@ def test_loss_and_grads_match_plain(name, virtual, checkpoint, batch):
     balance = [2, 2, 2, 2] if virtual == 1 else [1] * 8
     pipe = Pipe(model(), balance=balance, chunks=4, checkpoint=checkpoint).eval()
     loss = pipe.train_step(x, y, nn.MSELoss(), schedule=name, virtual_stages=virtual)
-    torch.testing.assert_close(loss, loss_ref.detach())
+    assert_close_reordered(loss, loss_ref.detach(), k=K)
     for (n, p), g in zip(pipe.named_parameters(), grads_ref):
-        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6, msg=n)
+        assert_close_reordered(p.grad, g, k=K, msg=n)
 
 
 @pytest.mark.parametrize("name, virtual", SCHEDULES)
@@ -48,9 +52,9 @@ def test_sum_reduction_and_function_loss(name, virtual):
         loss_ref, grads_ref = reference(x, y, loss_fn)
         pipe = Pipe(model(), balance=balance, chunks=4).eval()
         loss = pipe.train_step(x, y, loss_fn, schedule=name, virtual_stages=virtual)
-        torch.testing.assert_close(loss, loss_ref.detach())
+        assert_close_reordered(loss, loss_ref.detach(), k=K)
         for p, g in zip(pipe.parameters(), grads_ref):
-            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+            assert_close_reordered(p.grad, g, k=K)
 
 
 @pytest.mark.parametrize("name, virtual", SCHEDULES)
