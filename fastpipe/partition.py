@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["Device", "layers_of", "check_module", "check_balance", "resolve_devices", "split", "first_layer_in_place"]
+__all__ = [
+    "Device", "layers_of", "tied_blocks", "check_module", "check_balance", "resolve_devices", "split",
+    "first_layer_in_place",
+]
 
 Device = str | int | torch.device
 
@@ -22,6 +25,32 @@ def layers_of(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
     ``state_dict()`` see every entry; so must anything that cuts or registers layers.
     """
     return list(module._modules.items())
+
+
+def tied_blocks(module: nn.Sequential) -> list[int]:
+    """Sizes of the runs of layers that must share a stage, in order (summing to ``len(module)``).
+
+    Layers ``i < j`` that reach one object (a layer used twice, a shared parameter, buffer or
+    submodule) tie every layer from ``i`` to ``j`` into one run, since stages are contiguous.
+    Untied layers are runs of one. A planner that cuts only between runs never splits a tie.
+    """
+    last: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for index, (_, layer) in enumerate(layers_of(module)):
+        objects = [*layer.modules(), *layer.parameters(), *layer.buffers()]
+        for obj in objects:
+            first.setdefault(id(obj), index)
+            last[id(obj)] = index
+    reach = list(range(len(module)))  # reach[i]: the furthest layer tied to one at or before i
+    for key, i in first.items():
+        reach[i] = max(reach[i], last[key])
+    sizes, start, end = [], 0, -1
+    for i in range(len(module)):
+        end = max(end, reach[i])
+        if i == end:
+            sizes.append(i + 1 - start)
+            start = i + 1
+    return sizes
 
 
 def check_module(module: object) -> nn.Sequential:
@@ -83,8 +112,9 @@ def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[t
                 "(entries may repeat, e.g. ['cuda:0', 'cuda:0', ...]) or use fewer stages"
             )
         return [torch.device("cuda", i) for i in range(num_stages)]
-    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Sequence):
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Iterable):
         raise TypeError(f"fastpipe: devices must be a list with one device per stage, got {devices!r}")
+    devices = list(devices)
     if len(devices) < num_stages:
         raise ValueError(
             f"fastpipe: {len(devices)} devices for {num_stages} stages (len(balance)); give at least one device "

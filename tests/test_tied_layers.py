@@ -15,6 +15,7 @@ from torch import nn
 from fastpipe import Pipe
 from fastpipe.balance import profile_layers
 from fastpipe.batchnorm import DeferredBatchNorm
+from fastpipe.partition import tied_blocks
 
 
 def tied_model():
@@ -74,6 +75,25 @@ def test_layer_used_in_two_stages_is_refused(layers, balance, names, merged):
     model = nn.Sequential(*[parts[n] if n == "shared" else copy.deepcopy(parts[n]) for n in layers.split()])
     with pytest.raises(ValueError, match=f"module {names}.*tied weight.*cannot span stages.*balance={merged}"):
         Pipe(model, balance=balance)
+
+
+@pytest.mark.parametrize("build, blocks", [
+    (lambda s: [s, nn.ReLU(), s, nn.Tanh()], [3, 1]),
+    (lambda s: [nn.ReLU(), s, nn.Tanh(), s, nn.ReLU()], [1, 3, 1]),
+    (lambda s: [nn.ReLU(), s, nn.Sequential(nn.ReLU(), s)], [1, 2]),
+], ids=["repeat", "inner repeat", "nested"])
+def test_tied_blocks(build, blocks):
+    assert tied_blocks(nn.Sequential(*build(nn.Linear(4, 4)))) == blocks
+
+
+def test_auto_balance_keeps_tied_layers_in_one_stage():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh(), nn.Linear(4, 4), nn.ReLU())
+    pipe = Pipe(model, balance="auto", devices=["cpu"] * 3, sample=torch.randn(8, 4), chunks=2)
+    assert pipe.balance[0] >= 3 and sum(pipe.balance) == 6
+    with pytest.raises(ValueError, match=r"2 blocks once tied layers stay together\) cannot fill 3 stages"):
+        Pipe(nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh()), balance="auto", devices=["cpu"] * 3,
+             sample=torch.randn(8, 4))
 
 
 def test_deferred_batch_norm_used_twice_is_converted_in_both_places():
