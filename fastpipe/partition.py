@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from fastpipe.microbatch import Value, check_value, tensors_of
+
 __all__ = [
-    "Device", "layers_of", "tied_blocks", "check_module", "check_balance", "resolve_devices", "split",
-    "first_layer_in_place",
+    "Device", "MOVE_REFUSED", "layers_of", "tied_blocks", "check_module", "check_balance", "resolve_devices",
+    "split", "first_layer_in_place", "check_input", "refuse_device_move",
 ]
 
 Device = str | int | torch.device
+
+MOVE_REFUSED = (
+    "fastpipe.Pipe places each stage on its own device (devices=...), so it cannot be moved as a whole. "
+    "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
+    "(.to(torch.float64), .double(), .half()) are allowed."
+)
 
 
 def layers_of(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
@@ -207,3 +216,27 @@ def first_layer_in_place(stage: nn.Sequential) -> bool:
     while isinstance(layer, nn.Sequential) and len(layer) > 0:
         layer = layer[0]
     return bool(getattr(layer, "inplace", False))
+
+
+def check_input(input: Value) -> None:
+    """A tensor or tuple with data; tensors on another device than stage 0's are copied there."""
+    check_value(input, "input")
+    for i, t in enumerate(tensors_of(input)):
+        if t.is_meta:
+            raise ValueError(f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
+                             "tensor with data (any device: it is copied to the first stage's)")
+
+
+def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` if ``module.to(*args, **kwargs)`` would move a module to a device."""
+    # The obvious spellings are caught before torch's parser (which raises its own error for
+    # an index on a host without that accelerator); the parser then sees every other form
+    # nn.Module.to accepts (device and dtype together, non_blocking, ...).
+    moves = kwargs.get("device") is not None or "tensor" in kwargs or any(
+        isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+    if moves or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+        def show(v: Any) -> str:
+            return f"<tensor on {v.device}>" if isinstance(v, torch.Tensor) else repr(v)
+
+        call = ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
+        raise TypeError(f"{MOVE_REFUSED} (got .to({call}))")

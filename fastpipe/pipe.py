@@ -15,11 +15,14 @@ from fastpipe.balance import auto_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.microbatch import Value, batch_size, check_value, gather, replace_tensors, scatter, tensors_of
 from fastpipe.partition import (
+    MOVE_REFUSED,
     Device,
     check_balance,
+    check_input,
     check_module,
     first_layer_in_place,
     layers_of,
+    refuse_device_move,
     resolve_devices,
     split,
 )
@@ -35,28 +38,6 @@ __all__ = ["Pipe", "CHECKPOINT_MODES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 Checkpoint = Literal["always", "except_last", "never"]
-
-_MOVE_REFUSED = (
-    "fastpipe.Pipe places each stage on its own device (devices=...), so it cannot be moved as a whole. "
-    "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
-    "(.to(torch.float64), .double(), .half()) are allowed."
-)
-
-
-def _call_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    def show(v: Any) -> str:
-        return f"<tensor on {v.device}>" if isinstance(v, Tensor) else repr(v)
-
-    return ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
-
-
-def _check_input(input: Value) -> None:
-    check_value(input, "input")
-    for i, t in enumerate(tensors_of(input)):
-        if t.is_meta:
-            raise ValueError(f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
-                             "tensor with data (any device: it is copied to the first stage's)")
-
 
 def _loss_scale(scaler: Any, device: torch.device) -> float:
     """The factor by which ``scaler`` scales the loss this step (1.0 without one)."""
@@ -232,32 +213,13 @@ class Pipe(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         """Dtype changes only (``pipe.to(torch.float64)``); any device, in any form, is refused."""
-        # The obvious spellings are caught before torch's parser (which raises its own error
-        # for an index on a host without that accelerator); the parser then sees every other
-        # form nn.Module.to accepts (device and dtype together, non_blocking, ...).
-        moves = kwargs.get("device") is not None or "tensor" in kwargs or any(
-            isinstance(a, (str, int, torch.device, Tensor)) and not isinstance(a, bool) for a in args)
-        if moves or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
-            raise TypeError(f"{_MOVE_REFUSED} (got .to({_call_text(args, kwargs)}))")
+        refuse_device_move(args, kwargs)
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Any = None) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
+    def _refuse_move(self, *args: Any, **kwargs: Any) -> Pipe:
+        raise TypeError(MOVE_REFUSED)
 
-    def cpu(self) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
-
-    def xpu(self, device: Any = None) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
-
-    def ipu(self, device: Any = None) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
-
-    def mtia(self, device: Any = None) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
-
-    def to_empty(self, *, device: Any, recurse: bool = True) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
+    cuda = cpu = xpu = ipu = mtia = to_empty = _refuse_move
 
     def close(self) -> None:
         """Stop the worker threads now (they would stop when the Pipe is collected)."""
@@ -271,7 +233,7 @@ class Pipe(nn.Module):
         Input tensors on another device than the first stage's are copied there (as the
         stages hand activations on), so a CPU batch can feed a GPU pipeline directly.
         """
-        _check_input(input)
+        check_input(input)
         microbatches = scatter(input, self.chunks)
         params = [p for s in self._stages for p in s.params]
         grad = torch.is_grad_enabled() and (
@@ -334,7 +296,7 @@ class Pipe(nn.Module):
                 ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
                 then ``scaler.step(opt); scaler.update()`` as usual.
         """
-        _check_input(input)
+        check_input(input)
         if not callable(loss_fn):
             raise TypeError(f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
                             f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()")
