@@ -14,7 +14,6 @@ from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.balance import profile_layers
-from fastpipe.batchnorm import DeferredBatchNorm
 from fastpipe.partition import tied_blocks
 
 
@@ -96,10 +95,14 @@ def test_auto_balance_keeps_tied_layers_in_one_stage():
              sample=torch.randn(8, 4))
 
 
-def test_deferred_batch_norm_used_twice_is_converted_in_both_places():
+def test_deferred_batch_norm_used_twice_is_refused():
     bn = nn.BatchNorm1d(4)
-    model = DeferredBatchNorm.convert(nn.Sequential(bn, nn.ReLU(), bn))
-    assert isinstance(model[0], DeferredBatchNorm) and model[2] is model[0]
+    with pytest.raises(ValueError, match="BatchNorm layer is used twice.*own BatchNorm, or pass deferred_batch_norm="):
+        Pipe(nn.Sequential(bn, nn.ReLU(), bn), balance=[3], deferred_batch_norm=True)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="BatchNorm layer is used twice"):
+        Pipe(nn.Sequential(block, nn.ReLU(), block), balance=[3], deferred_batch_norm=True)
+    Pipe(nn.Sequential(bn, nn.ReLU(), bn), balance=[3])  # undeferred, it runs as in the Sequential
 
 
 def test_profile_covers_every_use_of_a_layer():
