@@ -39,15 +39,14 @@ def layers_of(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
 def tied_blocks(module: nn.Sequential) -> list[int]:
     """Sizes of the runs of layers that must share a stage, in order (summing to ``len(module)``).
 
-    Layers ``i < j`` that reach one object (a layer used twice, a shared parameter, buffer or
+    Layers ``i < j`` that reach one parameter or buffer (a layer used twice, a shared weight or
     submodule) tie every layer from ``i`` to ``j`` into one run, since stages are contiguous.
     Untied layers are runs of one. A planner that cuts only between runs never splits a tie.
     """
     last: dict[int, int] = {}
     first: dict[int, int] = {}
     for index, (_, layer) in enumerate(layers_of(module)):
-        objects = [*layer.modules(), *layer.parameters(), *layer.buffers()]
-        for obj in objects:
+        for obj in [*layer.parameters(), *layer.buffers()]:  # state ties; a shared stateless module does not
             first.setdefault(id(obj), index)
             last[id(obj)] = index
     reach = list(range(len(module)))  # reach[i]: the furthest layer tied to one at or before i
@@ -169,10 +168,11 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     """Cut ``module`` into contiguous stages, refusing objects shared across stages.
 
     A layer used twice (or any parameter, buffer or submodule reached from two layers) is a
-    tied weight. Within one stage it works as in the Sequential: both uses run, and the
-    shared parameter's gradient is the sum of both. Across stages it would be updated from
-    two devices and two threads at once, so it is refused, naming both uses and a balance
-    that puts them in one stage.
+    tied weight; a reused module without parameters or buffers (an activation) is not.
+    Within one stage a tied weight works as in the Sequential: both uses run, and the shared
+    parameter's gradient is the sum of both. Across stages it would be updated from two
+    devices and two threads at once, so it is refused, naming both uses and a balance that
+    puts them in one stage.
     """
     layers = layers_of(module)
     stages: list[nn.Sequential] = []
@@ -187,8 +187,8 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
                 ("buffer", layer.named_buffers(remove_duplicate=False)),
             ):
                 for name, obj in items:
-                    if obj is None:
-                        continue
+                    if obj is None or (isinstance(obj, nn.Module) and not _has_state(obj)):
+                        continue  # a stateless module (an activation reused) runs anywhere
                     full = f"{layer_name}.{name}" if name else layer_name
                     seen = owner.setdefault(id(obj), (s, index, full))
                     if seen[0] != s:
@@ -196,6 +196,10 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
         stages.append(nn.Sequential(OrderedDict(layers[start:start + count])))
         start += count
     return stages
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, int, str],

@@ -76,11 +76,22 @@ def test_layer_used_in_two_stages_is_refused(layers, balance, names, merged):
         Pipe(model, balance=balance)
 
 
+def test_stateless_module_reused_across_stages_runs():
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 4), act)
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    assert torch.equal(pipe(x), torch.cat([ref(c) for c in x.chunk(2)]))
+    assert list(pipe.state_dict()) == list(ref.state_dict())
+
+
 @pytest.mark.parametrize("build, blocks", [
     (lambda s: [s, nn.ReLU(), s, nn.Tanh()], [3, 1]),
     (lambda s: [nn.ReLU(), s, nn.Tanh(), s, nn.ReLU()], [1, 3, 1]),
     (lambda s: [nn.ReLU(), s, nn.Sequential(nn.ReLU(), s)], [1, 2]),
-], ids=["repeat", "inner repeat", "nested"])
+    (lambda s: [s, s.__class__(4, 4), nn.ReLU()], [1, 1, 1]),
+], ids=["repeat", "inner repeat", "nested", "untied"])
 def test_tied_blocks(build, blocks):
     assert tied_blocks(nn.Sequential(*build(nn.Linear(4, 4)))) == blocks
 
