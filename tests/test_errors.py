@@ -62,7 +62,7 @@ def test_devices_none_means_cpu_without_gpu():
     assert pipe.devices == [torch.device("cpu")] * 2
 
 
-@pytest.mark.parametrize("chunks", [0, -2, 1.5, True, "8"])
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, 42.0, True, "8"])  # 42.0: torchgpipe accepts it
 def test_bad_chunks(chunks):
     with pytest.raises(ValueError, match="chunks must be an int >= 1"):
         Pipe(model(), balance=[2, 2], chunks=chunks)
