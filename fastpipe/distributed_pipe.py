@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
-from fastpipe.partition import check_balance, check_module, first_layer_in_place, layers_of, split
+from fastpipe.partition import (
+    check_balance,
+    check_materialised,
+    check_module,
+    first_layer_in_place,
+    layers_of,
+    split,
+)
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
@@ -129,6 +136,8 @@ class DistributedPipe(nn.Module):
             if deferred_batch_norm:
                 module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
             parts = split(module, balance)
+            for s in mine:  # other ranks' layers may already be released to meta
+                check_materialised(parts[s])
             if free_others:
                 for s, part in enumerate(parts):
                     if s not in mine:

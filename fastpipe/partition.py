@@ -12,8 +12,8 @@ from torch import nn
 from fastpipe.microbatch import Value, check_value, tensors_of
 
 __all__ = [
-    "Device", "MOVE_REFUSED", "layers_of", "tied_blocks", "check_module", "check_balance", "resolve_devices",
-    "split", "first_layer_in_place", "check_input", "refuse_device_move",
+    "Device", "MOVE_REFUSED", "layers_of", "tied_blocks", "check_module", "check_materialised", "check_balance",
+    "resolve_devices", "split", "first_layer_in_place", "check_input", "refuse_device_move",
 ]
 
 Device = str | int | torch.device
@@ -70,16 +70,20 @@ def check_module(module: object) -> nn.Sequential:
         )
     if len(module) == 0:
         raise ValueError("fastpipe.Pipe got an empty nn.Sequential; it needs at least one layer")
+    return module
+
+
+def check_materialised(module: nn.Module, prefix: str = "") -> None:
+    """Raise ``ValueError`` if a parameter or buffer of ``module`` is on the meta device."""
     for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in items:
             if tensor.is_meta:
                 raise ValueError(
-                    f"fastpipe: the model's {kind} '{name}' is on the meta device (a shape without data), so "
-                    "its stages cannot be placed. Materialise the model first: model.to_empty(device='cpu'), "
+                    f"fastpipe: the model's {kind} '{prefix}{name}' is on the meta device (a shape without data), "
+                    "so its stage cannot be placed. Materialise the model first: model.to_empty(device='cpu'), "
                     "then initialise it (reset_parameters() or load_state_dict); under torchrun, "
                     "DistributedPipe.from_stage_builder builds each rank's stages on meta and materialises them"
                 )
-    return module
 
 
 def check_balance(balance: object, num_layers: int) -> list[int]:

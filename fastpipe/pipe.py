@@ -19,6 +19,7 @@ from fastpipe.partition import (
     Device,
     check_balance,
     check_input,
+    check_materialised,
     check_module,
     first_layer_in_place,
     layers_of,
@@ -150,6 +151,7 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         module = check_module(module)
+        check_materialised(module)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"fastpipe: chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
         if checkpoint not in CHECKPOINT_MODES:
