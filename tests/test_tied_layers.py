@@ -154,3 +154,20 @@ def test_distributed_pipe_keeps_a_layer_used_twice_and_refuses_it_across_stages(
     assert abs(last["loss"] - last["ref"]) < 1e-5
     for outcome in (first, last):
         assert "layer 2, stage 1" in outcome["refusal"] and "cannot span stages" in outcome["refusal"]
+
+
+def test_checkpoint_of_a_tied_model_loads_into_the_sequential_and_another_balance(tmp_path):
+    import fastpipe
+
+    pipe = Pipe(tied_model(), balance=[3, 1], chunks=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+    opt.step()
+    fastpipe.save(pipe, str(tmp_path / "tied.pt"), opt)
+    for into in (tied_model(), Pipe(tied_model(), balance=[4])):
+        opt2 = torch.optim.SGD(into.parameters(), lr=0.1, momentum=0.9)
+        fastpipe.load(str(tmp_path / "tied.pt"), into, opt2)
+        assert into[2] is into[0]  # still one module in two places
+        assert all(torch.equal(a, b) for a, b in zip(into.state_dict().values(), pipe.state_dict().values()))
+        for p, q in zip(into.parameters(), pipe.parameters(), strict=True):
+            assert torch.equal(opt2.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
