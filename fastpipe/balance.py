@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastpipe.partition import tied_blocks
 from fastpipe.schedule import ScheduleError, build, simulate
 from fastpipe.schedule.simulate import CompiledSimulation
 from fastpipe.trace import Timeline
@@ -304,7 +305,7 @@ def profile_layers(
     x = sample.to(device) if device is not None else sample
     cuda = x.is_cuda
     fwd, bwd, acts, params = [], [], [], []
-    for layer in module.children():
+    for layer in module:  # every entry: children() would skip a layer used twice
         param_list = list(layer.parameters())
         if param_list and param_list[0].device != x.device:
             x = x.to(param_list[0].device)  # a model already spread over devices
@@ -428,8 +429,12 @@ def auto_balance(
         stages = count
     else:
         stages = len(devices)
-    if len(module) < stages:
-        raise BalanceError(f"{len(module)} layers cannot fill {stages} stages; use fewer devices")
+    # Tied layers (a layer used twice, shared parameters) are planned as one block, so the
+    # balance never splits them across stages (which Pipe refuses).
+    blocks = tied_blocks(module)
+    if len(blocks) < stages:
+        tied = "" if len(blocks) == len(module) else f" ({len(blocks)} blocks once tied layers stay together)"
+        raise BalanceError(f"{len(module)} layers{tied} cannot fill {stages} stages; use fewer devices")
     if stages % virtual_stages:
         raise BalanceError(f"{stages} stages do not split into workers of virtual_stages={virtual_stages}")
     if not isinstance(sample, torch.Tensor):
@@ -445,5 +450,18 @@ def auto_balance(
             raise BalanceError(str(exc)) from exc
         in_flight = max(simulate(sched).peak_activations)
         memory = [a * in_flight + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
-    return plan(profile.forward, profile.backward, workers, microbatches=chunks, schedule=schedule,
-                memory=memory, memory_limit=memory_limit, virtual_stages=virtual_stages)
+    bounds = [0]
+    for size in blocks:
+        bounds.append(bounds[-1] + size)
+
+    def per_block(values: Sequence[float]) -> list[float]:
+        return [float(sum(values[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+    balance = plan(per_block(profile.forward), per_block(profile.backward), workers, microbatches=chunks,
+                   schedule=schedule, memory=None if memory is None else per_block(memory),
+                   memory_limit=memory_limit, virtual_stages=virtual_stages)
+    out, block = [], 0
+    for count in balance:  # blocks per stage back to layers per stage
+        out.append(sum(blocks[block:block + count]))
+        block += count
+    return out

@@ -89,10 +89,30 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                 setattr(new, name, getattr(module, name))
             new.train(module.training)
             return new
-        for name, child in module.named_children():
-            converted = cls.convert(child)
-            if converted is not child:
-                setattr(module, name, converted)
+        return cls._convert(module, {})
+
+    @classmethod
+    def _convert(cls, module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+        # ``_modules`` rather than ``named_children()``, which skips a module seen before, so
+        # a BatchNorm used twice is seen, and refused: deferred, its two uses would pool into
+        # one running-statistics update per step where the Sequential makes two.
+        if id(module) in done:
+            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+                raise ValueError(
+                    "fastpipe: a BatchNorm layer is used twice in the model; with deferred_batch_norm=True "
+                    "its running statistics would be one update over both uses instead of two. Give each use "
+                    "its own BatchNorm, or pass deferred_batch_norm=False"
+                )
+            return done[id(module)]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            done[id(module)] = cls.convert(module)
+            return done[id(module)]
+        done[id(module)] = module
+        for name, child in list(module._modules.items()):
+            if child is not None:
+                converted = cls._convert(child, done)
+                if converted is not child:
+                    setattr(module, name, converted)
         return module
 
 

@@ -107,6 +107,7 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     gathered to the pipeline group's rank 0 (of data-parallel replica 0), which writes the
     file; the call returns on every pipeline rank once the file is in place.
     """
+    _check_arguments("save", pipe, "pipe", path, optimizer, "save(pipe, path, optimizer=None)")
     share = {"model": _cpu(pipe.state_dict()),
              "optimizer": None if optimizer is None else _named_optimizer_state(pipe, optimizer)}
     extra = {"format": FORMAT, "rng": torch.get_rng_state(),
@@ -133,6 +134,23 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     dist.broadcast_object_list(status, src=root, group=group)
     if status[0] is not None:
         raise RuntimeError(f"fastpipe.save: rank {root} could not write {path}: {status[0]}")
+
+
+def _check_arguments(fn: str, module: object, module_arg: str, path: object, optimizer: object,
+                     signature: str) -> None:
+    """Name the arguments when they are swapped or mistyped, instead of torch's error deep inside."""
+    if isinstance(module, (str, os.PathLike)) and isinstance(path, nn.Module):
+        raise TypeError(f"fastpipe.{fn}: the arguments are swapped: it is fastpipe.{signature}, with the "
+                        f"module as {module_arg!r} and the file as 'path'")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fastpipe.{fn}: {module_arg} must be the Pipe (or nn.Module) to {fn}, got "
+                        f"{type(module).__name__}; the call is fastpipe.{signature}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"fastpipe.{fn}: path must be a file path (str or os.PathLike), got "
+                        f"{type(path).__name__}; the call is fastpipe.{signature}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fastpipe.{fn}: optimizer must be a torch.optim.Optimizer (or None), got "
+                        f"{type(optimizer).__name__}; the call is fastpipe.{signature}")
 
 
 def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -168,6 +186,7 @@ def load(path: str, into: nn.Module, optimizer: torch.optim.Optimizer | None = N
     ``restore_rng`` sets the caller's CPU generator to the saved one, so a resumed run draws
     the same dropout masks as the original. Returns the checkpoint dict.
     """
+    _check_arguments("load", into, "into", path, optimizer, "load(path, into, optimizer=None)")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"fastpipe.load: {path} is not a fastpipe checkpoint")

@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
-from fastpipe.partition import check_balance, check_module, first_layer_in_place, split
+from fastpipe.partition import (
+    check_balance,
+    check_materialised,
+    check_module,
+    first_layer_in_place,
+    layers_of,
+    split,
+)
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
@@ -129,6 +136,8 @@ class DistributedPipe(nn.Module):
             if deferred_batch_norm:
                 module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
             parts = split(module, balance)
+            for s in mine:  # other ranks' layers may already be released to meta
+                check_materialised(parts[s])
             if free_others:
                 for s, part in enumerate(parts):
                     if s not in mine:
@@ -146,7 +155,7 @@ class DistributedPipe(nn.Module):
         stages: dict[int, Stage] = {}
         for s in mine:
             part = _stage_modules[s].to(self.device)
-            for name, layer in part.named_children():
+            for name, layer in layers_of(part):
                 self.add_module(name, layer)
             stages[s] = Stage(part, self.device, clone_input=s > 0 and first_layer_in_place(part))
         self._stages = stages
@@ -179,7 +188,7 @@ class DistributedPipe(nn.Module):
             if len(part) != balance[s]:
                 raise ValueError(f"fastpipe: builder({s}) made {len(part)} layers, balance says {balance[s]}")
             offset = sum(balance[:s])
-            names = [n for n, _ in part.named_children()]
+            names = [n for n, _ in layers_of(part)]
             if names == [str(i) for i in range(len(names))]:
                 part = nn.Sequential(OrderedDict((str(offset + i), m) for i, m in enumerate(part)))
             if any(t.is_meta for t in _module_tensors(part)):

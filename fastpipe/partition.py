@@ -3,14 +3,62 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Device", "check_module", "check_balance", "resolve_devices", "split", "first_layer_in_place"]
+from fastpipe.microbatch import Value, check_value, tensors_of
+
+__all__ = [
+    "Device", "MOVE_REFUSED", "layers_of", "tied_blocks", "check_module", "check_materialised", "check_balance",
+    "resolve_devices", "split", "first_layer_in_place", "check_input", "refuse_device_move",
+]
 
 Device = str | int | torch.device
+
+MOVE_REFUSED = (
+    "fastpipe.Pipe places each stage on its own device (devices=...), so it cannot be moved as a whole. "
+    "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
+    "(.to(torch.float64), .double(), .half()) are allowed."
+)
+
+
+def layers_of(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every layer of ``module`` with its name, in order, a layer used twice included twice.
+
+    ``named_children()``/``children()`` (like ``parameters()``) skip an object already seen,
+    so in ``nn.Sequential(shared, act, shared)`` the second ``shared`` would vanish and the
+    layer count would no longer match ``len(module)``. ``Sequential.forward`` and
+    ``state_dict()`` see every entry; so must anything that cuts or registers layers.
+    """
+    return list(module._modules.items())
+
+
+def tied_blocks(module: nn.Sequential) -> list[int]:
+    """Sizes of the runs of layers that must share a stage, in order (summing to ``len(module)``).
+
+    Layers ``i < j`` that reach one parameter or buffer (a layer used twice, a shared weight or
+    submodule) tie every layer from ``i`` to ``j`` into one run, since stages are contiguous.
+    Untied layers are runs of one. A planner that cuts only between runs never splits a tie.
+    """
+    last: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for index, (_, layer) in enumerate(layers_of(module)):
+        for obj in [*layer.parameters(), *layer.buffers()]:  # state ties; a shared stateless module does not
+            first.setdefault(id(obj), index)
+            last[id(obj)] = index
+    reach = list(range(len(module)))  # reach[i]: the furthest layer tied to one at or before i
+    for key, i in first.items():
+        reach[i] = max(reach[i], last[key])
+    sizes, start, end = [], 0, -1
+    for i in range(len(module)):
+        end = max(end, reach[i])
+        if i == end:
+            sizes.append(i + 1 - start)
+            start = i + 1
+    return sizes
 
 
 def check_module(module: object) -> nn.Sequential:
@@ -23,6 +71,19 @@ def check_module(module: object) -> nn.Sequential:
     if len(module) == 0:
         raise ValueError("fastpipe.Pipe got an empty nn.Sequential; it needs at least one layer")
     return module
+
+
+def check_materialised(module: nn.Module, prefix: str = "") -> None:
+    """Raise ``ValueError`` if a parameter or buffer of ``module`` is on the meta device."""
+    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in items:
+            if tensor.is_meta:
+                raise ValueError(
+                    f"fastpipe: the model's {kind} '{prefix}{name}' is on the meta device (a shape without data), "
+                    "so its stage cannot be placed. Materialise the model first: model.to_empty(device='cpu'), "
+                    "then initialise it (reset_parameters() or load_state_dict); under torchrun, "
+                    "DistributedPipe.from_stage_builder builds each rank's stages on meta and materialises them"
+                )
 
 
 def check_balance(balance: object, num_layers: int) -> list[int]:
@@ -46,7 +107,13 @@ def check_balance(balance: object, num_layers: int) -> list[int]:
 
 
 def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[torch.device]:
-    """One device per stage. ``None`` means one visible GPU per stage, else CPU for all."""
+    """One device per stage. ``None`` means one visible GPU per stage, else CPU for all.
+
+    A longer list is accepted and its first ``num_stages`` entries used (torchgpipe does the
+    same, so code that passes every visible GPU keeps working). CUDA devices are checked
+    against ``torch.cuda`` here, so a missing GPU is named now rather than by torch's error
+    at the first copy.
+    """
     if devices is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -57,54 +124,98 @@ def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[t
                 "(entries may repeat, e.g. ['cuda:0', 'cuda:0', ...]) or use fewer stages"
             )
         return [torch.device("cuda", i) for i in range(num_stages)]
-    if isinstance(devices, (str, int, torch.device)):
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Iterable):
         raise TypeError(f"fastpipe: devices must be a list with one device per stage, got {devices!r}")
-    out = []
-    for d in devices:
-        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        out.append(dev)
-    if len(out) != num_stages:
+    devices = list(devices)
+    if len(devices) < num_stages:
         raise ValueError(
-            f"fastpipe: {len(out)} devices for {num_stages} stages (len(balance)); give exactly one device "
+            f"fastpipe: {len(devices)} devices for {num_stages} stages (len(balance)); give at least one device "
             "per stage (repeat a device to put several stages on it)"
         )
+    out = [_device(d, i) for i, d in enumerate(devices[:num_stages])]
+    _check_cuda_devices(out, list(devices[:num_stages]))
     return out
 
 
-def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
-    """Cut ``module`` into contiguous stages, refusing parameters shared across stages.
+def _device(d: object, i: int) -> torch.device:
+    if isinstance(d, bool) or not isinstance(d, (str, int, torch.device)):
+        raise TypeError(f"fastpipe: devices[{i}] = {d!r} is not a device; give e.g. 'cuda:0', 'cpu' or 0")
+    try:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    except RuntimeError as exc:
+        raise ValueError(f"fastpipe: devices[{i}] = {d!r} is not a device name ({exc}); "
+                         "give e.g. 'cuda:0' or 'cpu'") from None
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return dev
 
-    A parameter, buffer or module used by two stages would be updated from two devices
-    and two threads at once, so it is rejected with the names of both uses.
+
+def _check_cuda_devices(devices: list[torch.device], asked: list[object]) -> None:
+    wanted = [d for d in devices if d.type == "cuda"]
+    if not wanted:
+        return
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    missing = sorted({d.index for d in wanted if d.index is None or d.index >= count})
+    if not missing:
+        return
+    seen = (f"torch.cuda.is_available() is {available} and torch.cuda.device_count() is {count}"
+            + ("" if torch.version.cuda else " (this torch is a CPU-only build)"))
+    raise ValueError(
+        f"fastpipe: devices={asked!r} asks for {', '.join(f'cuda:{i}' for i in missing)}, but {seen}. "
+        + ("Use devices=['cpu'] * len(balance) (or devices=None) on this host, or run where the GPUs are visible"
+           if count == 0 else f"Use indices 0..{count - 1} (entries may repeat) or check CUDA_VISIBLE_DEVICES")
+    )
+
+
+def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``module`` into contiguous stages, refusing objects shared across stages.
+
+    A layer used twice (or any parameter, buffer or submodule reached from two layers) is a
+    tied weight; a reused module without parameters or buffers (an activation) is not.
+    Within one stage a tied weight works as in the Sequential: both uses run, and the shared
+    parameter's gradient is the sum of both. Across stages it would be updated from two
+    devices and two threads at once, so it is refused, naming both uses and a balance that
+    puts them in one stage.
     """
-    layers = list(module.named_children())
+    layers = layers_of(module)
     stages: list[nn.Sequential] = []
-    owner: dict[int, tuple[int, str]] = {}
+    owner: dict[int, tuple[int, int, str]] = {}  # id -> (stage, layer index, name)
     start = 0
     for s, count in enumerate(balance):
-        chunk = layers[start:start + count]
-        start += count
-        for layer_name, layer in chunk:
+        for index in range(start, start + count):
+            layer_name, layer = layers[index]
             for kind, items in (
                 ("module", layer.named_modules(remove_duplicate=False)),
                 ("parameter", layer.named_parameters(remove_duplicate=False)),
                 ("buffer", layer.named_buffers(remove_duplicate=False)),
             ):
                 for name, obj in items:
-                    if obj is None:
-                        continue
+                    if obj is None or (isinstance(obj, nn.Module) and not _has_state(obj)):
+                        continue  # a stateless module (an activation reused) runs anywhere
                     full = f"{layer_name}.{name}" if name else layer_name
-                    seen = owner.setdefault(id(obj), (s, full))
+                    seen = owner.setdefault(id(obj), (s, index, full))
                     if seen[0] != s:
-                        raise ValueError(
-                            f"fastpipe: {kind} '{full}' (stage {s}) is the same object as '{seen[1]}' "
-                            f"(stage {seen[0]}); shared {kind}s must sit in one stage: change balance so "
-                            "both uses fall in the same stage, or untie them"
-                        )
-        stages.append(nn.Sequential(OrderedDict(chunk)))
+                        raise ValueError(_tied_across_stages(kind, (s, index, full), seen, list(balance)))
+        stages.append(nn.Sequential(OrderedDict(layers[start:start + count])))
+        start += count
     return stages
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, int, str],
+                        balance: list[int]) -> str:
+    (stage, index, name), (first_stage, first_index, first_name) = use, first
+    merged = balance[:first_stage] + [sum(balance[first_stage:stage + 1])] + balance[stage + 1:]
+    return (
+        f"fastpipe: {kind} '{name}' (layer {index}, stage {stage}) is the same object as '{first_name}' "
+        f"(layer {first_index}, stage {first_stage}). A {kind} used in two places is a tied weight, and a tied "
+        f"weight cannot span stages: each stage runs on its own device and thread. Put both uses in one stage "
+        f"through balance (e.g. balance={merged}), or untie them (give each use its own copy)"
+    )
 
 
 def first_layer_in_place(stage: nn.Sequential) -> bool:
@@ -113,3 +224,27 @@ def first_layer_in_place(stage: nn.Sequential) -> bool:
     while isinstance(layer, nn.Sequential) and len(layer) > 0:
         layer = layer[0]
     return bool(getattr(layer, "inplace", False))
+
+
+def check_input(input: Value) -> None:
+    """A tensor or tuple with data; tensors on another device than stage 0's are copied there."""
+    check_value(input, "input")
+    for i, t in enumerate(tensors_of(input)):
+        if t.is_meta:
+            raise ValueError(f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
+                             "tensor with data (any device: it is copied to the first stage's)")
+
+
+def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` if ``module.to(*args, **kwargs)`` would move a module to a device."""
+    # The obvious spellings are caught before torch's parser (which raises its own error for
+    # an index on a host without that accelerator); the parser then sees every other form
+    # nn.Module.to accepts (device and dtype together, non_blocking, ...).
+    moves = kwargs.get("device") is not None or "tensor" in kwargs or any(
+        isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+    if moves or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+        def show(v: Any) -> str:
+            return f"<tensor on {v.device}>" if isinstance(v, torch.Tensor) else repr(v)
+
+        call = ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
+        raise TypeError(f"{MOVE_REFUSED} (got .to({call}))")

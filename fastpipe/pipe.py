@@ -15,10 +15,15 @@ from fastpipe.balance import auto_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.microbatch import Value, batch_size, check_value, gather, replace_tensors, scatter, tensors_of
 from fastpipe.partition import (
+    MOVE_REFUSED,
     Device,
     check_balance,
+    check_input,
+    check_materialised,
     check_module,
     first_layer_in_place,
+    layers_of,
+    refuse_device_move,
     resolve_devices,
     split,
 )
@@ -35,11 +40,16 @@ __all__ = ["Pipe", "CHECKPOINT_MODES"]
 CHECKPOINT_MODES = ("always", "except_last", "never")
 Checkpoint = Literal["always", "except_last", "never"]
 
-_MOVE_REFUSED = (
-    "fastpipe.Pipe places each stage on its own device (devices=...), so it cannot be moved as a whole. "
-    "Move the nn.Sequential before wrapping it, or build a new Pipe with other devices; dtype changes "
-    "(.to(torch.float64), .double(), .half()) are allowed."
-)
+def _loss_scale(scaler: Any, device: torch.device) -> float:
+    """The factor by which ``scaler`` scales the loss this step (1.0 without one)."""
+    if scaler is None:
+        return 1.0
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"fastpipe: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return 1.0
+    # scaler.scale() also creates the scale on first use, which scaler.step() relies on.
+    return float(scaler.scale(torch.ones((), device=device)).item())
 
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -141,10 +151,18 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         module = check_module(module)
+        check_materialised(module)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"fastpipe: chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"fastpipe: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+            raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
+        if not isinstance(balance, str):
+            unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
+            if unused:
+                raise TypeError(f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
+                                "balance); drop them, or pass balance='auto'")
         if isinstance(balance, str):
             if balance != "auto":
                 raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
@@ -152,6 +170,9 @@ class Pipe(nn.Module):
                                    virtual_stages=virtual_stages, memory_limit=memory_limit)
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(devices, len(balance))
+        # Fail here, not at the first train_step: the schedule's name and virtual stages (any
+        # micro-batch count that is a multiple of the workers satisfies every builder).
+        _schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -167,7 +188,7 @@ class Pipe(nn.Module):
 
         # Register the layers under their own names (state_dict keys match the
         # Sequential's); the stages are plain lists so they do not register twice.
-        for name, layer in module.named_children():
+        for name, layer in layers_of(module):
             self.add_module(name, layer)
         stage_modules = split(module, balance)
         for stage, device in zip(stage_modules, device_list):
@@ -185,7 +206,7 @@ class Pipe(nn.Module):
         return sum(self.balance)
 
     def __getitem__(self, index: int) -> nn.Module:
-        return list(self.children())[index]
+        return list(self._modules.values())[index]  # type: ignore[return-value]  # repeats included
 
     @property
     def partitions(self) -> list[nn.Sequential]:
@@ -193,21 +214,14 @@ class Pipe(nn.Module):
         return [s.module for s in self._stages]  # type: ignore[misc]
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
-        device = kwargs.get("device")
-        for a in args:
-            if isinstance(a, (str, int, torch.device)):
-                device = a
-            elif isinstance(a, Tensor):
-                device = a.device
-        if device is not None:
-            raise TypeError(_MOVE_REFUSED)
+        """Dtype changes only (``pipe.to(torch.float64)``); any device, in any form, is refused."""
+        refuse_device_move(args, kwargs)
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Any = None) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
+    def _refuse_move(self, *args: Any, **kwargs: Any) -> Pipe:
+        raise TypeError(MOVE_REFUSED)
 
-    def cpu(self) -> Pipe:
-        raise TypeError(_MOVE_REFUSED)
+    cuda = cpu = xpu = ipu = mtia = to_empty = _refuse_move
 
     def close(self) -> None:
         """Stop the worker threads now (they would stop when the Pipe is collected)."""
@@ -216,8 +230,12 @@ class Pipe(nn.Module):
     # -- running ------------------------------------------------------------------------
 
     def forward(self, input: Value) -> Value:
-        """Run the pipeline on a mini-batch; returns the output on the last stage's device."""
-        check_value(input, "input")
+        """Run the pipeline on a mini-batch; returns the output on the last stage's device.
+
+        Input tensors on another device than the first stage's are copied there (as the
+        stages hand activations on), so a CPU batch can feed a GPU pipeline directly.
+        """
+        check_input(input)
         microbatches = scatter(input, self.chunks)
         params = [p for s in self._stages for p in s.params]
         grad = torch.is_grad_enabled() and (
@@ -254,6 +272,7 @@ class Pipe(nn.Module):
         schedule: str | None = None,
         virtual_stages: int | None = None,
         trace: bool | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Tensor:
         """Forward and backward of one mini-batch under a schedule; returns the loss.
 
@@ -275,8 +294,14 @@ class Pipe(nn.Module):
             virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
                 worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
+            scaler: a ``torch.amp.GradScaler``: the backward runs on the scaled loss, as
+                ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
+                then ``scaler.step(opt); scaler.update()`` as usual.
         """
-        check_value(input, "input")
+        check_input(input)
+        if not callable(loss_fn):
+            raise TypeError(f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()")
         microbatches = scatter(input, self.chunks)
         count = len(microbatches)
         targets: list[Any] = [None] * count
@@ -286,7 +311,8 @@ class Pipe(nn.Module):
             if [batch_size(t, "target") for t in targets] != [batch_size(x) for x in microbatches]:
                 raise ValueError(
                     f"fastpipe: target batch size {batch_size(target, 'target')} differs from the input's "
-                    f"{batch_size(input)}; they are split into micro-batches together"
+                    f"{batch_size(input)}; give one target row per input row (they are split into "
+                    "micro-batches together)"
                 )
         sizes = [batch_size(x) for x in microbatches]
         reduction = getattr(loss_fn, "reduction", "mean")
@@ -301,8 +327,9 @@ class Pipe(nn.Module):
         def checkpoint(m: int) -> bool:
             return mode == "always" or (mode == "except_last" and m < count - 1)
 
+        scale = _loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
-            sched, microbatches, LossSpec(loss_fn, targets, weights), checkpoint=checkpoint,
+            sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]), checkpoint=checkpoint,
             caller=CallerState.capture(), step_seed=draw_step_seed(),
         )
         self._after_forward()

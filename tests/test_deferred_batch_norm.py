@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import DeferredBatchNorm, Pipe
@@ -31,7 +32,8 @@ def test_running_stats_equal_one_full_batch_pass(checkpoint, momentum):
         ref(x)
     for key, value in ref.state_dict().items():
         if "running" in key or "num_batches" in key:
-            torch.testing.assert_close(pipe.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            # Per-channel sums over 16 x 5 x 5 values, per micro-batch then added, against one pass.
+            assert_close_reordered(pipe.state_dict()[key], value, k=16 * 25 + 27, msg=key)
 
 
 def test_keys_match_and_layers_converted():

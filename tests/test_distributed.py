@@ -8,10 +8,14 @@ import time
 import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
+from fp_tolerance import close_reordered
 from torch import nn
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
 HIDDEN = 16
+# Reductions from input to loss through make_model's 8 blocks, plus the rows a weight gradient
+# sums over: a pipeline's micro-batches round differently from the plain model's full batch.
+K = 8 * HIDDEN + HIDDEN + 16
 
 
 def transport_of(pipe: object) -> str:
@@ -51,7 +55,7 @@ def _schedules(rank: int, world: int, transport: str) -> list[str]:
             plain_loss.backward()
             if not torch.equal(loss, expected):
                 problems.append(f"{name} step {step}: loss {loss.item()} != local {expected.item()}")
-            if not torch.allclose(loss, plain_loss, rtol=1e-5, atol=1e-6):
+            if not close_reordered(loss, plain_loss, k=K):
                 problems.append(f"{name} step {step}: loss {loss.item()} != plain {plain_loss.item()}")
         ref_local = dict(local.named_parameters())
         ref_plain = dict(plain.named_parameters())
@@ -61,7 +65,7 @@ def _schedules(rank: int, world: int, transport: str) -> list[str]:
         for n, p in pipe.named_parameters():
             if p.grad is None or not torch.equal(p.grad, ref_local[n].grad):
                 problems.append(f"{name}: grad of {n} differs from the local Pipe")
-            elif not torch.allclose(p.grad, ref_plain[n].grad, rtol=1e-4, atol=1e-6):
+            elif not close_reordered(p.grad, ref_plain[n].grad, k=K):
                 problems.append(f"{name}: grad of {n} differs from the plain Sequential")
         pipe.close()
     for name, v in [("1f1b", 1), ("interleaved", 2)]:  # dropout: the same masks as one process
@@ -107,7 +111,7 @@ def _hooked(rank: int, world: int, transport: str) -> list[str]:
     problems = [] if sorted(calls) == [str(i) for i in range(4 * rank, 4 * rank + 4)] else [f"hook calls {calls}"]
     ref = dict(plain.named_parameters())
     for n, p in pipe.named_parameters():
-        if p.grad is None or not torch.allclose(p.grad, ref[n].grad, rtol=1e-4, atol=1e-6):
+        if p.grad is None or not close_reordered(p.grad, ref[n].grad, k=K):
             problems.append(f"grad of {n} differs from the plain Sequential with the same hooks")
     pipe.close()
     return problems
@@ -153,7 +157,7 @@ def _dynamic(rank: int, world: int, transport: str) -> list[tuple[int, float, fl
         out.append((length, loss.item(), expected.item()))
     ref = dict(plain.named_parameters())
     for n, p in pipe.named_parameters():
-        assert torch.allclose(p.grad, ref[n].grad, rtol=1e-4, atol=1e-6), n
+        assert close_reordered(p.grad, ref[n].grad, k=K), n
     return out
 
 

@@ -42,11 +42,17 @@ def test_bad_balance(balance, error, match):
         Pipe(model(), balance=balance)
 
 
-def test_devices_length_disagrees():
-    with pytest.raises(ValueError, match="3 devices for 2 stages"):
-        Pipe(model(), balance=[2, 2], devices=["cpu"] * 3)
+def test_too_few_devices():
+    with pytest.raises(ValueError, match="1 devices for 2 stages.*at least one device per stage"):
+        Pipe(model(), balance=[2, 2], devices=["cpu"])
     with pytest.raises(TypeError, match="one device per stage"):
         Pipe(model(), balance=[2, 2], devices="cpu")
+
+
+def test_more_devices_than_stages_uses_the_first():
+    # torchgpipe's rule: code that passes every visible device keeps working.
+    pipe = Pipe(model(), balance=[2, 2], devices=["cpu", torch.device("cpu"), "cuda:7"])
+    assert pipe.devices == [torch.device("cpu")] * 2
 
 
 def test_devices_none_means_cpu_without_gpu():
@@ -56,7 +62,7 @@ def test_devices_none_means_cpu_without_gpu():
     assert pipe.devices == [torch.device("cpu")] * 2
 
 
-@pytest.mark.parametrize("chunks", [0, -2, 1.5, True, "8"])
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, 42.0, True, "8"])  # 42.0: torchgpipe accepts it
 def test_bad_chunks(chunks):
     with pytest.raises(ValueError, match="chunks must be an int >= 1"):
         Pipe(model(), balance=[2, 2], chunks=chunks)

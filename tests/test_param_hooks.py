@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
@@ -39,7 +40,7 @@ def test_hooks_see_the_step_gradient_once(monkeypatch: pytest.MonkeyPatch, path:
         pipe.train_step(x, y, nn.functional.mse_loss, schedule=path)
     assert sorted(c.split()[0] for c in calls) == sorted(c.split()[0] for c in ref_calls) == ["bias", "post", "pre"]
     for p, q in zip(pipe.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        assert_close_reordered(p.grad, q.grad, k=5 + 8 + 8 + 12)  # micro-batches vs the full batch
 
 
 def test_hooks_set_aside_restores_them_even_on_error() -> None:

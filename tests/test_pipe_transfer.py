@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
@@ -28,13 +29,18 @@ def test_forward_backward_through_copies(checkpoint):
     pipe = copying_pipe(model, balance=[2, 2, 1], chunks=3, checkpoint=checkpoint)
     x = torch.randn(9, 6, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
-    out, out_ref = pipe(x), ref(xr)
+    # The plain model on the same 3-row micro-batches, each in a fresh buffer as the copy
+    # hands it over, does the same arithmetic, bit for bit. The full 9-row batch would run
+    # other GEMM shapes, and a view 3 rows into x another data alignment: either can pick
+    # another BLAS kernel, on some CPUs, with other rounding.
+    out, out_ref = pipe(x), torch.cat([ref(c.clone()) for c in xr.chunk(3)])
     assert torch.equal(out, out_ref)
     out.sum().backward()
     out_ref.sum().backward()
-    torch.testing.assert_close(x.grad, xr.grad)
+    assert torch.equal(x.grad, xr.grad)
+    # Weight gradients add the micro-batches' shares in another order than autograd does.
     for p, q in zip(pipe.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+        assert_close_reordered(p.grad, q.grad, k=9 + 6 + 16 + 16)
 
 
 def test_integer_and_tuple_values_cross_through_copies():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
@@ -78,6 +79,10 @@ def test_linear_subclasses_are_left_alone() -> None:
     assert fusable_linears(model, list(model.parameters())) == [model[1]]
 
 
+# Reductions from input to loss through _mlp, plus the rows a weight gradient sums over.
+MLP_K = 6 + 16 + 16 + 16 + 16
+
+
 def _mlp() -> nn.Sequential:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
@@ -101,8 +106,8 @@ def test_pipe_gradients_equal_with_and_without_fusion(monkeypatch: pytest.Monkey
                 pipe.train_step(x, y, nn.functional.mse_loss, schedule=path)
         grads.append([p.grad.clone() for p in pipe.parameters()])
         assert all("forward" not in m.__dict__ for m in pipe.modules())
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):  # the GEMM's accumulation against autograd's add: another rounding
+        assert_close_reordered(a, b, k=MLP_K)
 
 
 def test_function_is_usable_directly() -> None:
@@ -151,7 +156,7 @@ def test_torch_checkpoint_inside_a_stage(path: str, reentrant: bool) -> None:
         return
     step()
     for p, q in zip(pipe.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        assert_close_reordered(p.grad, q.grad, k=MLP_K)
 
 
 @pytest.mark.gpu
@@ -180,4 +185,7 @@ def test_pipe_on_gpu_fused_equals_unfused_and_autocast_falls_back(monkeypatch: p
             nn.functional.mse_loss(out.float(), y).backward()
             grads.append([p.grad.clone() for p in pipe.parameters()])
         for a, b in zip(*grads):
-            torch.testing.assert_close(a, b, rtol=1e-2 if autocast else 1e-5, atol=1e-3 if autocast else 1e-6)
+            if autocast:  # every GEMM output rounds to bf16 (eps 2**-7), a few roundings deep
+                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+            else:
+                assert_close_reordered(a, b, k=MLP_K)

@@ -10,7 +10,7 @@ from torch import nn
 
 from fastpipe.kernels.memory import count_saved_bytes
 
-__all__ = ["INTERPRET", "count_saved_bytes", "EagerMLPBlock", "assert_close_fp32_sum"]
+__all__ = ["INTERPRET", "count_saved_bytes", "EagerMLPBlock"]
 
 #: True in the ``TRITON_INTERPRET=1`` run: tests then pick sizes that launch few programs.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,13 +30,3 @@ class EagerMLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
 
-
-def assert_close_fp32_sum(got: torch.Tensor, want: torch.Tensor, terms: int, msg: str = "") -> None:
-    """fp32 results of sums over ``terms`` products, computed in two different orders.
-
-    Rounding errors of two summation orders differ by about ``eps * sqrt(terms)`` of the largest
-    magnitude in play (random-walk bound), so the absolute tolerance scales with ``max|want|``; 4x
-    that bound leaves room for the partial sums being larger than the result.
-    """
-    atol = 4 * torch.finfo(torch.float32).eps * math.sqrt(terms) * max(want.abs().max().item(), 1.0)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=msg or None)

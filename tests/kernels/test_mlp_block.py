@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testutils import INTERPRET, EagerMLPBlock, assert_close_fp32_sum
+from fp_tolerance import assert_close_reordered
+from kernel_testutils import INTERPRET, EagerMLPBlock
 from torch.utils.checkpoint import checkpoint
 
 from fastpipe.kernels import MLPBlock
@@ -29,14 +30,17 @@ def test_numbers_match_eager(hidden, ffn):
     x = torch.randn(2, ROWS, hidden)
     xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     ye, yf = eager(xe), fused(xf)
-    # Unit-normal weights make values of order sqrt(ffn * hidden): tolerances scale with them.
-    assert_close_fp32_sum(yf, ye, ffn)
+    # Same math, other reduction orders (fused kernels vs eager, and the BLAS kernel the CPU
+    # picks): the tolerance follows the reductions on the path, LayerNorm + fc1 + fc2, plus
+    # the rows a weight gradient sums over.
+    k = 2 * hidden + ffn + x.shape[0] * x.shape[1]
+    assert_close_reordered(yf, ye, k=k)
     g = torch.randn_like(ye)
     ye.backward(g)
     yf.backward(g)
-    assert_close_fp32_sum(xf.grad, xe.grad, ffn)
+    assert_close_reordered(xf.grad, xe.grad, k=k)
     for (name, pe), pf in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        assert_close_fp32_sum(pf.grad, pe.grad, 2 * ROWS * ffn, msg=name)
+        assert_close_reordered(pf.grad, pe.grad, k=k, msg=name)
 
 
 def test_saves_at_most_half_of_eager(saved_bytes):
