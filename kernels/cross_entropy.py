@@ -320,14 +320,16 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             scale = s.expand(n).contiguous()  # the kernels read one scale per row
         ctx.meta = (x.shape, x.dtype, reduction, ignore_index, chunk_size)
         ctx.autocast = autocast_state(x)
-        ctx.consumed = False
+        ctx.scaled_by = None  # the upstream gradient the saved gradients were scaled by, once
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False):
             losses, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
         if reduction == "none":
             ctx.save_for_backward(x, weight, tgt, bias)
             return losses.view(target.shape).to(x.dtype)
-        ctx.save_for_backward(
+        # Kept on ctx rather than saved for backward: backward scales them in place, which
+        # the saved-tensor version check would refuse on a second backward (see _scaled_grads).
+        ctx.grads = (
             dx.view(x.shape).to(x.dtype) if dx is not None else None,
             dw.to(weight.dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None and bias is not None else None,
@@ -341,25 +343,45 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             return _LinearCrossEntropyFn._backward(ctx, g)
 
     @staticmethod
-    def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        shape, x_dtype, reduction, ignore_index, chunk_size = ctx.meta
-        if reduction != "none":
-            if ctx.consumed:
-                raise RuntimeError(
-                    "linear_cross_entropy computes its gradients in forward and scales them in place in "
-                    "backward, so backward runs once; use reduction='none' (then .sum()/.mean()) to "
-                    "backpropagate through it more than once"
-                )
-            ctx.consumed = True
-            grads = ctx.saved_tensors
-            g = g.float()
-            # In place: these tensors are ours alone (saved by forward), and a copy would double
-            # the weight-sized memory at the peak.
+    def _scaled_grads(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The gradients forward computed, times the upstream gradient ``g``.
+
+        The first call scales them in place: they are ours alone (saved by forward), and a copy
+        would double the weight-sized memory at the peak. A later call (``retain_graph``, or a
+        pipeline's split backward, whose weight pass runs this node again with the same ``g``)
+        gets them again, rescaled out of place when ``g`` changed; if something wrote into the
+        tensors handed out the first time, they are gone, and that is refused.
+        """
+        grads = ctx.grads
+        if ctx.scaled_by is None:
             for t in grads:
                 if t is not None:
                     t.mul_(g)
-            dx, dw, db = grads
-            return dx, dw, None, db, None, None, None
+            ctx.scaled_by = (g, [t._version if t is not None else 0 for t in grads])
+        else:
+            first, versions = ctx.scaled_by
+            if any(t is not None and t._version != v for t, v in zip(grads, versions)):
+                raise RuntimeError(
+                    "linear_cross_entropy hands out the gradients it computed in forward, and they were "
+                    "modified after its first backward, so it cannot backpropagate again; use "
+                    "reduction='none' (then .sum()/.mean()) to backpropagate through it more than once"
+                )
+            if not torch.equal(first, g):
+                if not bool(first != 0):
+                    raise RuntimeError(
+                        "linear_cross_entropy's first backward had a zero upstream gradient, which erased "
+                        "the gradients it computed in forward; use reduction='none' to backpropagate again"
+                    )
+                ratio = g / first
+                grads = tuple(t * ratio.to(t.dtype) if t is not None else None for t in grads)
+        dx, dw, db = grads
+        return dx, dw, None, db, None, None, None
+
+    @staticmethod
+    def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shape, x_dtype, reduction, ignore_index, chunk_size = ctx.meta
+        if reduction != "none":
+            return _LinearCrossEntropyFn._scaled_grads(ctx, g.float())
         x, weight, tgt, bias = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
         hidden = shape[-1]

@@ -208,13 +208,30 @@ def test_half_precision_inputs_near_float64(dtype, strategy):
     assert _rel(w.grad, wr.grad) <= 8 * ulp
 
 
-def test_mean_backward_runs_once():
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_again_with_the_same_or_another_upstream_gradient(reduction):
+    """A pipeline's split backward runs the loss node twice (input pass, weight pass): the
+    gradients computed in forward must serve both, also for another upstream gradient."""
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 30, (5,))
+    loss = linear_cross_entropy(x, w, target, reduction=reduction)
+    # The reference is the kernel's own single backward: only the repeat is under test.
+    want = torch.autograd.grad(linear_cross_entropy(x, w, target, reduction=reduction), [x, w])
+    for scale in (0.5, 0.5, 3.0):
+        got = torch.autograd.grad(loss * scale, [x, w], retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, scale * b)
+
+
+def test_backward_again_after_its_gradients_were_written_is_refused():
     x = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
     loss = linear_cross_entropy(x, w, torch.randint(0, 30, (5,)))
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward runs once"):
-        loss.backward()
+    (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    gx.add_(1.0)  # the caller owns what backward returned
+    with pytest.raises(RuntimeError, match="modified after its first backward"):
+        torch.autograd.grad(loss, [x])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
