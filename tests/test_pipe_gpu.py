@@ -231,3 +231,17 @@ def test_peer_access_is_enabled_or_refused_cleanly():
     assert _C.cuda_enable_peer_access(0, 0)
     if torch.cuda.device_count() > 1:
         assert _C.cuda_enable_peer_access(0, 1) == torch.cuda.can_device_access_peer(0, 1)
+
+
+def test_auto_balance_profiles_on_the_gpu():
+    class Seen(nn.Linear):
+        devices = []
+
+        def forward(self, x):
+            Seen.devices.append(self.weight.device.type)
+            return super().forward(x)
+
+    net = nn.Sequential(Seen(16, 16), nn.ReLU(), Seen(16, 16), nn.ReLU())  # built on the CPU
+    pipe = Pipe(net, balance="auto", devices=["cuda:0", "cuda:0"], chunks=2, sample=torch.randn(8, 16))
+    assert set(Seen.devices) == {"cuda"}  # profiled where it runs, not where it sat
+    assert sum(pipe.balance) == 4
