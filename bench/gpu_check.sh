@@ -31,11 +31,11 @@ export FASTPIPE_HANG_DUMP="$OUT_DIR/hang_dump.txt"
 
 CHECKS=(
   "build|150|pip install --no-build-isolation --no-deps -e . -q"
-  "gpu-tests|200|python -m pytest -m gpu -q -p no:cacheprovider -p no:timeout -rfE"
-  "pipe_gpu|80|python bench/pipe_gpu.py --json $OUT_DIR/pipe_gpu.json"
+  "gpu-tests|240|python -m pytest -m gpu -q -p no:cacheprovider -p no:timeout -rfE"
+  "pipe_gpu|70|python bench/pipe_gpu.py --json $OUT_DIR/pipe_gpu.json"
+  "nccl|60|python bench/nccl_smoke.py --limit 25"
   "copy_overlap|30|python bench/copy_overlap.py --runs 5"
-  "kernels|90|python bench/kernels.py --json $OUT_DIR/kernels.json"
-  "nccl|40|python bench/nccl_smoke.py --limit 30"
+  "kernels|120|python bench/kernels.py --json $OUT_DIR/kernels.json"
 )
 
 declare -a ROWS=()
