@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -45,6 +46,9 @@ struct Loader {
                sym(lib, drv.cuDevicePrimaryCtxRetain, {"cuDevicePrimaryCtxRetain"}) &&
                sym(lib, drv.cuCtxPushCurrent, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}) &&
                sym(lib, drv.cuCtxPopCurrent, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}) &&
+               sym(lib, drv.cuCtxSetCurrent, {"cuCtxSetCurrent"}) &&
+               sym(lib, drv.cuDeviceCanAccessPeer, {"cuDeviceCanAccessPeer"}) &&
+               sym(lib, drv.cuCtxEnablePeerAccess, {"cuCtxEnablePeerAccess"}) &&
                sym(lib, drv.cuStreamCreate, {"cuStreamCreate"}) &&
                sym(lib, drv.cuStreamDestroy, {"cuStreamDestroy_v2", "cuStreamDestroy"}) &&
                sym(lib, drv.cuStreamSynchronize, {"cuStreamSynchronize"}) &&
@@ -139,6 +143,36 @@ CUcontext primary_context(int device) {
     check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
   }
   return ctx;
+}
+
+void make_current(int device) {
+  check(require_driver().cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent");
+}
+
+bool enable_peer_access(int device, int peer) {
+  const Driver& d = require_driver();
+  if (device == peer) return true;
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, bool> done;
+  CUcontext peer_ctx = primary_context(peer);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find({device, peer});
+  if (it != done.end()) return it->second;
+  CUdevice dev = 0, peer_dev = 0;
+  check(d.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(d.cuDeviceGet(&peer_dev, peer), "cuDeviceGet");
+  int can = 0;
+  check(d.cuDeviceCanAccessPeer(&can, dev, peer_dev), "cuDeviceCanAccessPeer");
+  bool on = false;
+  if (can) {
+    ContextGuard guard(device);
+    CUresult r = d.cuCtxEnablePeerAccess(peer_ctx, 0);
+    // torch's allocator may have enabled it already; any other refusal (e.g. too many
+    // peers) leaves the copy on its staged path, which is still correct.
+    on = r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+  }
+  done[{device, peer}] = on;
+  return on;
 }
 
 ContextGuard::ContextGuard(int device) : drv_(&require_driver()) {

@@ -22,6 +22,7 @@ typedef struct CUevent_st* CUevent;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr CUresult CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704;
 constexpr unsigned CU_STREAM_NON_BLOCKING = 0x1;
 constexpr unsigned CU_EVENT_DEFAULT = 0x0;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
@@ -34,6 +35,9 @@ struct Driver {
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxPushCurrent)(CUcontext);
   CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice);
+  CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned);
   CUresult (*cuStreamCreate)(CUstream*, unsigned);
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
@@ -75,6 +79,16 @@ inline void check(CUresult code, const char* where) {
 // The device's primary context (the one the CUDA runtime, hence torch, uses).
 // Retained once per device and kept for the life of the process.
 CUcontext primary_context(int device);
+
+// Makes the device's primary context the calling thread's current context, for good.
+// A new thread has none: the CUDA runtime binds one lazily, but libraries that ask the
+// driver first (cuBLAS) warn and then bind it themselves.
+void make_current(int device);
+
+// Lets `device`'s primary context read and write `peer`'s memory directly (NVLink or
+// PCIe P2P), so cuMemcpyPeerAsync need not stage through host memory. Done once per
+// ordered pair; returns whether direct access is on (false: the hardware cannot).
+bool enable_peer_access(int device, int peer);
 
 // Makes the device's primary context current for the scope of the guard.
 class ContextGuard {

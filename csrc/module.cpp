@@ -59,6 +59,10 @@ PYBIND11_MODULE(_C, m) {
         "succeeds and there is at least one device. The first call with 'cuda' initialises the driver.");
   m.def("cuda_device_count", &cu::device_count, "Number of CUDA devices the driver sees (0 without one).");
   m.def("cuda_load_error", &cu::load_error, "Why the CUDA backend is unavailable ('' when it is available).");
+  m.def("cuda_make_current", &cu::make_current, py::arg("device"),
+        "Make the device's primary context current in the calling thread (cuCtxSetCurrent).");
+  m.def("cuda_enable_peer_access", &cu::enable_peer_access, py::arg("device"), py::arg("peer"),
+        "Let `device` access `peer`'s memory directly, once per pair; False when the hardware cannot.");
   m.def("live_host_threads", &live_host_threads, "Host-stream worker threads currently alive.");
   m.def("memcpy", &blocking_memcpy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
         py::call_guard<py::gil_scoped_release>(), "Synchronous host memcpy (memmove), GIL released.");

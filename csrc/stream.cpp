@@ -134,6 +134,9 @@ void Stream::copy_peer(uintptr_t dst, int dst_device, uintptr_t src, int src_dev
   const cu::Driver& d = cu::require_driver();
   cu::CUcontext dst_ctx = cu::primary_context(dst_device);
   cu::CUcontext src_ctx = cu::primary_context(src_device);
+  // Without peer access the driver stages a peer copy through host memory.
+  cu::enable_peer_access(dst_device, src_device);
+  cu::enable_peer_access(src_device, dst_device);
   cu::ContextGuard guard(device_);
   cu::check(d.cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, static_cast<size_t>(nbytes),
                                 reinterpret_cast<cu::CUstream>(handle_)),

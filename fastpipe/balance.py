@@ -7,17 +7,19 @@ once per repeat on the caller's device.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from fastpipe.partition import tied_blocks
+from fastpipe.partition import resolve_devices, tied_blocks
 from fastpipe.schedule import ScheduleError, build, simulate
 from fastpipe.schedule.simulate import CompiledSimulation
 from fastpipe.trace import Timeline
@@ -292,66 +294,103 @@ def _min_bottleneck(
 
 
 def profile_layers(
-    module: nn.Sequential, sample: torch.Tensor, *, device: torch.device | str | None = None, repeats: int = 3
+    module: nn.Sequential, sample: torch.Tensor, *, device: torch.device | str | None = None, repeats: int = 3,
+    on: torch.device | str | None = None,
 ) -> LayerProfile:
     """Measures each layer's forward and backward time and memory on ``sample`` (one micro-batch).
 
-    The input follows each layer to the device of its parameters. Activation bytes are the storages saved
-    for backward (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded, each storage counted
-    once. Parameter ``.grad`` fields are restored afterwards.
+    The input follows each layer to the device of its parameters; with ``on``, each layer is
+    measured on that device instead (moved there for its measurement and back afterwards, one
+    layer at a time, so a model too big for one device can still be profiled where it will run).
+    Activation bytes are the storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``),
+    parameters excluded, each storage counted once. Parameter ``.grad`` fields are restored afterwards.
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
+    target = None if on is None else torch.device(on)
     x = sample.to(device) if device is not None else sample
-    cuda = x.is_cuda
-    fwd, bwd, acts, params = [], [], [], []
+    if target is not None:
+        x = x.to(target)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    acts: list[int] = []
+    params: list[int] = []
     for layer in module:  # every entry: children() would skip a layer used twice
         param_list = list(layer.parameters())
-        if param_list and param_list[0].device != x.device:
-            x = x.to(param_list[0].device)  # a model already spread over devices
-            cuda = x.is_cuda
-        param_ptrs = {p.untyped_storage().data_ptr() for p in param_list}
-        old_grads = [p.grad for p in param_list]
-        f_times, b_times, saved_bytes = [], [], 0
-        out = x
-        for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            storages: dict[int, int] = {}
-
-            def pack(
-                t: torch.Tensor, storages: dict[int, int] = storages, params: set[int] = param_ptrs
-            ) -> torch.Tensor:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params:
-                    storages[ptr] = t.untyped_storage().nbytes()
-                return t
-
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            t0 = time.perf_counter()
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = layer(inp)
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            t1 = time.perf_counter()
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"layer {layer.__class__.__name__} returned {type(out).__name__}, not a Tensor")
-            if out.requires_grad:
-                torch.autograd.backward(out, torch.ones_like(out))
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            t2 = time.perf_counter()
-            f_times.append(t1 - t0)
-            b_times.append(t2 - t1)
-            saved_bytes = sum(storages.values())
-        for p, g in zip(param_list, old_grads):
-            p.grad = g
-        fwd.append(statistics.median(f_times))
-        bwd.append(statistics.median(b_times))
-        acts.append(saved_bytes)
-        params.append(sum(p.numel() * p.element_size() for p in param_list))
+        with _visiting(layer, param_list, target):
+            out = _profile_layer(layer, param_list, x, repeats, fwd, bwd, acts, params, follow=target is None)
         x = out.detach()
     return LayerProfile(fwd, bwd, acts, params)
+
+
+@contextlib.contextmanager
+def _visiting(layer: nn.Module, param_list: list[nn.Parameter], target: torch.device | None) -> Iterator[None]:
+    """Move ``layer`` to ``target`` for the block and back after it (its ``.grad`` fields stay put)."""
+    home = next(iter([*param_list, *layer.buffers()]), None)
+    if target is None or home is None or home.device == target:
+        yield
+        return
+    grads = [p.grad for p in param_list]
+    for p in param_list:
+        p.grad = None
+    layer.to(target)
+    try:
+        yield
+    finally:
+        for p in param_list:
+            p.grad = None
+        layer.to(home.device)
+        for p, g in zip(param_list, grads):
+            p.grad = g
+
+
+def _profile_layer(layer: nn.Module, param_list: list[nn.Parameter], x: torch.Tensor, repeats: int,
+                   fwd: list[float], bwd: list[float], acts: list[int], params: list[int],
+                   follow: bool) -> torch.Tensor:
+    if follow and param_list and param_list[0].device != x.device:
+        x = x.to(param_list[0].device)  # a model already spread over devices
+    cuda = x.is_cuda
+    param_ptrs = {p.untyped_storage().data_ptr() for p in param_list}
+    old_grads = [p.grad for p in param_list]
+    f_times, b_times, saved_bytes = [], [], 0
+    out = x
+    for _ in range(repeats):
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        storages: dict[int, int] = {}
+
+        def pack(
+            t: torch.Tensor, storages: dict[int, int] = storages, params: set[int] = param_ptrs
+        ) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(inp)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        t1 = time.perf_counter()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"layer {layer.__class__.__name__} returned {type(out).__name__}, not a Tensor")
+        if out.requires_grad:
+            torch.autograd.backward(out, torch.ones_like(out))
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        t2 = time.perf_counter()
+        f_times.append(t1 - t0)
+        b_times.append(t2 - t1)
+        saved_bytes = sum(storages.values())
+    for p, g in zip(param_list, old_grads):
+        p.grad = g
+    fwd.append(statistics.median(f_times))
+    bwd.append(statistics.median(b_times))
+    acts.append(saved_bytes)
+    params.append(sum(p.numel() * p.element_size() for p in param_list))
+    return out
 
 
 def by_time(
@@ -440,7 +479,10 @@ def auto_balance(
     if not isinstance(sample, torch.Tensor):
         raise TypeError(f'balance="auto" needs sample= as a Tensor (a mini-batch), got {type(sample).__name__}')
     rows = max(1, math.ceil(sample.shape[0] / chunks)) if sample.dim() else 1
-    profile = profile_layers(module, sample[:rows] if sample.dim() else sample, repeats=repeats)
+    # Measured where the stages will run (the first stage's device; the planner takes the
+    # stages as alike), not wherever the layers sit before the Pipe moves them.
+    target = resolve_devices(cast(Any, devices), stages)[0]
+    profile = profile_layers(module, sample[:rows] if sample.dim() else sample, repeats=repeats, on=target)
     workers = stages // virtual_stages
     memory = None
     if memory_limit is not None:

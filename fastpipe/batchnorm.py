@@ -4,7 +4,7 @@ A pipeline calls every layer once per micro-batch. A plain BatchNorm would then 
 its running mean and variance ``chunks`` times per step, each from a fraction of the
 batch. :class:`DeferredBatchNorm` normalises each micro-batch with that micro-batch's
 statistics, exactly as a plain BatchNorm does in training, but only *accumulates*
-sums for the running statistics; :meth:`DeferredBatchNorm.commit` folds them in once
+statistics for the running ones; :meth:`DeferredBatchNorm.commit` folds them in once
 per mini-batch, so the running statistics equal those of one pass over the whole batch.
 """
 
@@ -30,8 +30,8 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self._sum: Tensor | None = None
-        self._sum_sq: Tensor | None = None
+        self._mean: Tensor | None = None  # of the micro-batches seen since the last commit
+        self._m2: Tensor | None = None  # their sum of squared deviations from it
         self._count = 0
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -49,29 +49,46 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @torch.no_grad()
     def _accumulate(self, input: Tensor) -> None:
+        # Each micro-batch's mean and variance in one fused reduction (fp32 at least, no
+        # copy of an fp32 activation), merged into per-channel sums in fp64 with Chan et
+        # al.'s pairwise update: no fp64 copy of the activation or of its square.
         dims = [0] + list(range(2, input.dim()))
-        x = input.detach().to(torch.float64 if input.device.type in ("cpu", "cuda") else torch.float32)
-        s, sq = x.sum(dims), (x * x).sum(dims)
-        self._sum = s if self._sum is None else self._sum + s
-        self._sum_sq = sq if self._sum_sq is None else self._sum_sq + sq
-        self._count += input.numel() // input.size(1)
+        x = input.detach()
+        if x.element_size() < 4:
+            x = x.float()
+        var, mean = torch.var_mean(x, dims, correction=0)
+        wide = torch.float64 if input.device.type in ("cpu", "cuda") else torch.float32
+        n_b = input.numel() // input.size(1)
+        mean, m2 = mean.to(wide), var.to(wide) * n_b
+        if self._mean is None or self._m2 is None or self._count == 0:
+            self._mean, self._m2, self._count = mean, m2, n_b
+            return
+        n_a = self._count
+        n = n_a + n_b
+        delta = mean - self._mean
+        self._mean = self._mean + delta * (n_b / n)
+        self._m2 = self._m2 + m2 + delta * delta * (n_a * n_b / n)
+        self._count = n
 
     @torch.no_grad()
     def commit(self) -> None:
         """Fold the statistics accumulated since the last commit into the running ones."""
-        if self._sum is None or self._sum_sq is None or self._count == 0:
+        if self._mean is None or self._m2 is None or self._count == 0:
             return
         assert self.running_mean is not None and self.running_var is not None
         n = self._count
-        mean = self._sum / n
-        var = (self._sum_sq / n - mean * mean).clamp_(min=0)
+        mean = self._mean
+        var = self._m2 / n
         unbiased = var * (n / (n - 1)) if n > 1 else var
         assert self.num_batches_tracked is not None
         self.num_batches_tracked.add_(1)
-        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
-        self._sum = self._sum_sq = None
+        # A cumulative average (momentum None) weighs by 1 / batches seen, kept on the
+        # device: float(num_batches_tracked) would wait for the GPU every step.
+        momentum: Tensor | float = (self.momentum if self.momentum is not None
+                                    else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
+        self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype) * momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype) * momentum)
+        self._mean = self._m2 = None
         self._count = 0
 
     @classmethod

@@ -115,7 +115,10 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     if not _is_distributed(pipe):
         _atomic_write({**extra, **_merge([share])}, path)
         return
-    group: Any = pipe.group
+    # The pipeline's gloo group (the pipeline group itself on gloo, its gloo twin on NCCL):
+    # over NCCL the shares would be staged in GPU memory, the root would allocate world x
+    # the largest share there, and the bounded barrier could not bound anything.
+    group: Any = cast(Any, pipe)._runtime.control_group
     dp_group: Any = pipe.dp_group
     root = dist.get_global_rank(group, 0)
     is_root = dist.get_rank(group) == 0

@@ -37,6 +37,7 @@ from fastpipe.partition import (
     split,
 )
 from fastpipe.rng import draw_step_seed
+from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.local import LossSpec, Stage
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -125,7 +126,9 @@ class DistributedPipe(nn.Module):
         if len(balance) % size:
             raise ValueError(f"fastpipe: {len(balance)} stages do not spread over {size} pipeline ranks")
         if device is None:
-            nccl = dist.get_backend(group) == "nccl"
+            # NCCL serving CUDA tensors (also for a "cpu:gloo,cuda:nccl" group, or one made
+            # without backend=): this rank's GPU; else the CPU.
+            nccl = torch.cuda.is_available() and backend_for(group, "cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         mine = [s for s in range(len(balance)) if s % size == rank]

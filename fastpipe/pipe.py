@@ -259,7 +259,7 @@ class Pipe(nn.Module):
             return gather(outputs)
 
         inputs = tensors_of(input)
-        run = _Run(self, schedule, microbatches, checkpoint, caller, step_seed, len(inputs), params)
+        run = _Run(self, schedule, microbatches, checkpoint, caller, step_seed, [t.device for t in inputs], params)
         flat = _PipelineFunction.apply(run, *inputs, *params)
         return replace_tensors(run.output_structure, flat)
 
@@ -314,6 +314,9 @@ class Pipe(nn.Module):
                     f"{batch_size(input)}; give one target row per input row (they are split into "
                     "micro-batches together)"
                 )
+            # loss_fn runs on the last stage, so the targets go where its output is.
+            last = self.devices[-1]
+            targets = [replace_tensors(t, [v.to(last) for v in tensors_of(t)]) for t in targets]
         sizes = [batch_size(x) for x in microbatches]
         reduction = getattr(loss_fn, "reduction", "mean")
         if reduction not in ("mean", "sum"):
@@ -403,7 +406,7 @@ class _Run:
     checkpoint: Callable[[int], bool]
     caller: CallerState
     step_seed: int
-    num_inputs: int
+    input_devices: list[torch.device]
     params: list[nn.Parameter]
     output_structure: Value = ()
     state: StepState | None = None
@@ -445,10 +448,23 @@ class _PipelineFunction(torch.autograd.Function):
             pieces = [None] * len(run.output_sizes) if g is None else list(g.split(run.output_sizes, dim=0))
             for m, piece in enumerate(pieces):
                 per_mb[m].append(piece)
-        input_grads, param_grads = run.pipe._runtime.backward(run.state, per_mb)
-        joined: list[Tensor | None] = []
-        for i in range(run.num_inputs):
-            parts = [g for mb in input_grads if (g := mb[i]) is not None]
-            joined.append(torch.cat(parts) if len(parts) == len(input_grads) else None)
+        # autograd runs this node on the engine thread of its gradients' device; on a
+        # device thread the GPU stages' backwards must run here (see runtime.inline).
+        on_device_thread = any(g is not None and g.device.type != "cpu" for g in grads)
+        input_grads, param_grads = run.pipe._runtime.backward(run.state, per_mb, on_device_thread=on_device_thread)
         flat_params = [g for stage in param_grads for g in stage]
-        return (None, *joined, *flat_params)
+        return (None, *join_input_grads(input_grads, run.input_devices), *flat_params)
+
+
+def join_input_grads(input_grads: Sequence[Sequence[Tensor | None]],
+                     devices: Sequence[torch.device]) -> list[Tensor | None]:
+    """One gradient per input tensor, joined over micro-batches, on that input's device.
+
+    Stage 0 computes them on its own device; autograd wants each where its input lives
+    (e.g. a CPU batch fed to a pipeline whose first stage is on a GPU).
+    """
+    joined: list[Tensor | None] = []
+    for i, device in enumerate(devices):
+        parts = [g for mb in input_grads if (g := mb[i]) is not None]
+        joined.append(torch.cat(parts).to(device) if parts and len(parts) == len(input_grads) else None)
+    return joined

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value
+from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.local import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.p2p import P2PTransport
@@ -77,8 +78,6 @@ class DistributedRuntime:
                  bucket_bytes: int = 25 << 20, recorder: Recorder | None = None) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
-        backend = dist.get_backend(self.group)
-        self.ordered = _ordered(backend)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_stages = num_stages
@@ -89,6 +88,10 @@ class DistributedRuntime:
         if wrong:
             raise ValueError(f"fastpipe: rank {self.rank} of {self.size} cannot hold stages {wrong}")
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
+        # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
+        # init_process_group() without backend=, which reports "undefined").
+        backend = backend_for(self.group, device)
+        self.ordered = _ordered(backend)
         if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
             _check_nccl_device(device)
         if store is None:
@@ -101,8 +104,9 @@ class DistributedRuntime:
         # Set-up waits are bounded on a gloo group of the pipeline's ranks: the group itself on
         # gloo, else a side group (which also carries the ordered transport's headers). NCCL's
         # own collectives would wait for a dead or misconfigured rank without limit.
-        self.side_group: Any = None if backend == "gloo" else self._gloo_side_group()
-        self.control_group: Any = self.group if backend == "gloo" else self.side_group
+        plain_gloo = dist.get_backend(self.group) == "gloo"  # not "undefined" or "cpu:gloo,cuda:nccl"
+        self.side_group: Any = None if plain_gloo else self._gloo_side_group()
+        self.control_group: Any = self.group if plain_gloo else self.side_group
         self.watchdog = Watchdog(store, self._abort_key(), timeout, self.global_rank)
         self._check_same_transport()
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.

@@ -16,13 +16,22 @@ otherwise run every CPU backward on the one thread that called ``backward()``::
     │  ▲ grad  │ ◀──────┼─ ▲ grad  │ ◀── grad_output    (backward phase)
     └──────────┘  dx1   └──────────┘
     x_s: leaf with requires_grad; f_s's graph stays inside worker s.
+
+On a GPU that single node is where the design must bend. autograd runs a node whose
+gradients live on ``cuda:d`` on its engine thread for ``cuda:d``, and every autograd
+call another thread makes on ``cuda:d`` tensors queues behind it: a node that waits
+for stage workers there deadlocks. So when the node runs on a device thread, that
+thread runs the backward actions of every GPU stage itself, reentrantly and in an order
+the schedule allows, while CPU stages keep their workers (:mod:`fastpipe.runtime.inline`,
+which also says why not one graph stitched across the GPU stages). ``train_step`` is
+not inside autograd and runs every stage in its worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +42,7 @@ from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, task_seed
 from fastpipe.runtime.host_alloc import tune_host_allocator
+from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
 from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
@@ -131,6 +141,18 @@ class StepRunner:
 
     def handlers(self) -> dict[str, Callable[[Action], float]]:
         return {"F": self.forward, "BW": self.backward, "B": self.backward_input, "W": self.backward_weight}
+
+    def waits_on(self, action: Action) -> tuple[str, int, int] | None:
+        """What ``action`` first receives from another worker: ``("act" | "grad", stage, mb)``.
+
+        None when it needs nothing (a W, or the last stage's backward under a loss).
+        """
+        s, m = action.stage, action.microbatch
+        if action.kind == "F":
+            return ("act", s, m)
+        if action.kind in ("BW", "B") and not (s == self.last and self.loss is not None):
+            return ("grad", s, m)
+        return None
 
     # -- forward --------------------------------------------------------------------
 
@@ -332,15 +354,16 @@ class LocalRuntime:
         self._execute(schedule, ("F",), step, "forward")
         return [step.results[m] for m in range(len(microbatches))], state
 
-    def backward(self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]]) -> tuple[
-        list[list[Tensor | None]], list[list[Tensor | None]]
-    ]:
+    def backward(self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]], *,
+                 on_device_thread: bool = False) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
         """Run the schedule's backward actions after :meth:`forward`.
 
         Args:
             state: from :meth:`forward` with ``grad=True``; consumed.
             grad_outputs: per micro-batch, one gradient (or None) per tensor of the last
                 stage's output.
+            on_device_thread: this thread is an autograd engine device thread; the
+                workers of non-CPU stages then run here (see :mod:`fastpipe.runtime.inline`).
 
         Returns:
             ``(input_grads, param_grads)``: per micro-batch, the gradient of each input
@@ -356,7 +379,8 @@ class LocalRuntime:
         step = self._step(state, grad=True, checkpoint=lambda m: False, loss=None)
         step.post_output_grads(grad_outputs)
         try:
-            self._execute(state.schedule, ("BW", "B", "W"), step, "backward")
+            inline = inline_workers(state.schedule, [st.device for st in self.stages], on_device_thread)
+            self._execute(state.schedule, ("BW", "B", "W"), step, "backward", inline)
         finally:
             state.tasks.clear()
         return [step.input_grads[m] for m in range(len(grad_outputs))], [step.param_grads[s] for s in
@@ -395,7 +419,9 @@ class LocalRuntime:
         return StepRunner(dict(enumerate(self.stages)), len(self.stages), transport, state, grad=grad,
                      checkpoint=checkpoint, loss=loss)
 
-    def _execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str) -> None:
+    def _execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str,
+                 inline: frozenset[int] = frozenset()) -> None:
+        """Run the ``kinds`` actions of every worker; those of ``inline`` workers on this thread."""
         if self._pool is None and any(st.device.type == "cpu" for st in self.stages):
             tune_host_allocator()  # before the workers' first allocation (see host_alloc)
         if self._pool is None:
@@ -405,35 +431,49 @@ class LocalRuntime:
             self._pool = WorkerPool(schedule.num_workers)
         recorder = self.recorder
         handlers = step.handlers()
+        caller = step.state.caller
+        queues = [[a for a in schedule.workers[w] if a.kind in kinds] for w in range(schedule.num_workers)]
+
+        def run(worker: int, action: Action) -> None:
+            try:
+                with caller.placed(self.stages[action.stage].device):
+                    start = handlers[action.kind](action)
+            except Aborted:
+                raise
+            except BaseException as exc:
+                raise annotate(
+                    exc, f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
+                    f"({phase}, action {action})"
+                ) from None
+            if recorder is not None:
+                recorder(worker, str(action), start, time.perf_counter())
 
         def job_for(worker: int) -> Callable[[], None] | None:
-            actions = [a for a in schedule.workers[worker] if a.kind in kinds]
-            if not actions:
+            actions = queues[worker]
+            if not actions or worker in inline:
                 return None
 
             def job() -> None:
                 for action in actions:
-                    try:
-                        with _on_device(self.stages[action.stage].device):
-                            start = handlers[action.kind](action)
-                    except Aborted:
-                        raise
-                    except BaseException as exc:
-                        raise annotate(
-                            exc, f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
-                            f"({phase}, action {action})"
-                        ) from None
-                    if recorder is not None:
-                        recorder(worker, str(action), start, time.perf_counter())
+                    run(worker, action)
 
             return job
 
-        self._pool.run([job_for(w) for w in range(schedule.num_workers)], step.transport.abort)
+        running = self._pool.start([job_for(w) for w in range(schedule.num_workers)], step.transport.abort)
+        if inline:
+            assert isinstance(step.transport, LocalTransport)
+            mailbox = step.transport.mailbox
 
+            def waits_on(action: Action) -> Hashable | None:
+                slot = step.waits_on(action)
+                return None if slot is None else LocalTransport.slot(*slot)
 
-def _on_device(device: torch.device) -> Any:
-    """Make ``device`` current in this thread, so a stage's new CUDA tensors land on it."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+            try:
+                with worker_like():
+                    run_inline({w: queues[w] for w in inline}, run, waits_on, mailbox)
+            except BaseException as exc:  # noqa: BLE001 - reported like a worker's, re-raised by wait()
+                running.report(exc)
+        running.wait()
 
 
 def _differentiable(t: Tensor) -> bool:

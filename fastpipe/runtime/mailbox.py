@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 __all__ = ["Mailbox", "Aborted"]
@@ -42,6 +42,25 @@ class Mailbox:
                     raise Aborted(f"pipeline phase aborted while waiting for {key!r}") from None
                 self._cond.wait()
             return self._slots.pop(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` holds a value now (``take`` would not wait)."""
+        with self._cond:
+            return key in self._slots
+
+    def wait_any(self, keys: Collection[Hashable]) -> Hashable:
+        """Wait until one of ``keys`` holds a value and return that key, leaving the value.
+
+        The caller takes it afterwards; each key has one consumer, so it is still there.
+        """
+        with self._cond:
+            while True:
+                if self._aborted is not None:
+                    raise Aborted(f"pipeline phase aborted while waiting for one of {sorted(map(repr, keys))}")
+                for key in keys:
+                    if key in self._slots:
+                        return key
+                self._cond.wait()
 
     def abort(self, exc: BaseException) -> None:
         """Wake every waiter with :class:`Aborted`; values already delivered are dropped."""

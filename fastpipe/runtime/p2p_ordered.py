@@ -15,8 +15,8 @@ start and lets tags sort them out, :class:`OrderedTransport`:
   (:func:`~fastpipe.schedule.ordered.check_ordered`).
 
 Faults stay bounded as in the tag-matched transport: headers and abort headers travel on
-the gloo side group; payload waits poll their work and the abort key (NCCL's ``wait()``
-does not block the host).
+the gloo side group; an NCCL payload is waited for on the compute stream, and a background
+watch bounds it (see :meth:`OrderedTransport._wait`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.errors import PipelineError
+from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
 from fastpipe.runtime.wire import ACT, GRAD, describe, pack, payload_sizes, tensors_from
@@ -50,7 +51,7 @@ class OrderedTransport(P2PTransport):
 
     def __init__(self, group: Any, header_group: Any, num_stages: int, watchdog: Watchdog,
                  device: torch.device) -> None:
-        if dist.get_backend(header_group) != "gloo":
+        if backend_for(header_group, "cpu") != "gloo":
             raise ValueError("fastpipe: the header group of an ordered transport must be a gloo group")
         if [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] != [
                 dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))]:
@@ -60,8 +61,10 @@ class OrderedTransport(P2PTransport):
             device = torch.device("cuda", torch.cuda.current_device())
         self.data_group = group
         self.data_device = device
-        self.polls = dist.get_backend(group) == "nccl"
-        self._payload_sends = SendReaper(watchdog.timeout, poll=self.polls)
+        self.polls = backend_for(group, device) == "nccl"
+        self._payload_sends = SendReaper(watchdog.timeout, poll=self.polls, device=device)
+        # NCCL receives: ordered on the compute stream, bounded by this watch beside it.
+        self._payload_recvs = SendReaper(watchdog.timeout, poll=True, device=device, what="a payload receive on")
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._arrived: dict[tuple[int, int, int], tuple[list[Any], dict[int, Tensor], list[Any], str]] = {}
 
@@ -84,7 +87,10 @@ class OrderedTransport(P2PTransport):
             ops.append(dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g,
                                   group=self.data_group))
         for work in dist.batch_isend_irecv(ops):
-            self._wait(work, "the connection handshake", "a neighbour rank")
+            if self.polls:  # the connection must really be up: wait on the host, once
+                self.watchdog.poll(work, "the connection handshake", "a neighbour rank")
+            else:
+                self.watchdog.wait(work, "the connection handshake", "a neighbour rank")
 
     # -- sending: the header now, the payload with the next batch -------------------------
 
@@ -157,11 +163,24 @@ class OrderedTransport(P2PTransport):
         return meta, tensors_from(meta, buffers, self.data_device)
 
     def _wait(self, work: Any, what: str, peer: str) -> None:
-        """Bounded wait on a payload work: NCCL's is polled (its wait() does not block the host)."""
-        if self.polls:
-            self.watchdog.poll(work, what, peer, max_pause=5e-5)  # an action waits on it: notice it soon
-        else:
+        """Make the payload usable: NCCL's on the GPU, gloo's on the host; bounded either way.
+
+        NCCL: ``work.wait()`` without a timeout only makes the current (compute) stream
+        wait for the receive, so the host runs ahead instead of draining the GPU at every
+        receive; the time bound is kept by a background thread that polls the work
+        (``is_completed()`` queries an event, it does not synchronize) and fails the step
+        at this rank's next receive, or at the step's end, if it expires.
+        """
+        if not self.polls:
             self.watchdog.wait(work, what, peer)
+            return
+        self._payload_recvs.check(self.watchdog)
+        self.watchdog.check()
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - NCCL reports an aborted communicator this way
+            raise self.watchdog.broken(exc, what, peer) from None
+        self._payload_recvs.add(work, None)
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -172,6 +191,7 @@ class OrderedTransport(P2PTransport):
             self.reset()
             raise PipelineError(f"fastpipe: values never posted or never consumed in this step: {left} "
                                 "(a plan bug)")
+        self._payload_recvs.drain(self.watchdog)
         self._payload_sends.drain(self.watchdog)
         super().finish()
 
@@ -183,6 +203,7 @@ class OrderedTransport(P2PTransport):
     def close(self) -> None:
         super().close()
         self._payload_sends.close()
+        self._payload_recvs.close()
 
 
 class _AllOf:

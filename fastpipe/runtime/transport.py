@@ -61,18 +61,23 @@ class LocalTransport(Transport):
 
     def send_activation(self, stage: int, microbatch: int, value: Value, requires_grad: Sequence[bool]) -> None:
         sent = [_send(t, f, self.devices[stage], self.force_copy) for t, f in zip(tensors_of(value), requires_grad)]
-        self.mailbox.put(("act", stage, microbatch), replace_tensors(value, sent))
+        self.mailbox.put(self.slot("act", stage, microbatch), replace_tensors(value, sent))
 
     def recv_activation(self, stage: int, microbatch: int) -> Value:
-        return receive(self.mailbox.take(("act", stage, microbatch)))
+        return receive(self.mailbox.take(self.slot("act", stage, microbatch)))
 
     def send_grad(self, stage: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
         device = self.devices[stage]
         sent = [None if g is None else _send(g, False, device, self.force_copy) for g in grads]
-        self.mailbox.put(("grad", stage, microbatch), sent)
+        self.mailbox.put(self.slot("grad", stage, microbatch), sent)
 
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:
-        return receive(self.mailbox.take(("grad", stage, microbatch)))
+        return receive(self.mailbox.take(self.slot("grad", stage, microbatch)))
+
+    @staticmethod
+    def slot(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
+        """The mailbox slot of ``stage``'s incoming ``"act"``ivation or ``"grad"``ient."""
+        return (kind, stage, microbatch)
 
     def abort(self, exc: BaseException) -> None:
         self.mailbox.abort(exc)

@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fastpipe.errors import PipelineError
+from fastpipe.runtime.worker import make_current
 
 __all__ = ["DEFAULT_TIMEOUT", "SendReaper", "Watchdog", "bounded_barrier"]
 
@@ -32,7 +34,7 @@ def bounded_barrier(group: Any, timeout: float, what: str) -> None:
     Calling this first turns a rank that died before the collective into an error. gloo's
     ``monitored_barrier`` names the ranks that did not arrive; other backends do not have it.
     """
-    if dist.get_backend(group) != "gloo":
+    if dist.get_backend(group) != "gloo":  # monitored_barrier needs a group made with gloo alone
         return
     try:
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
@@ -116,7 +118,7 @@ class Watchdog:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except BaseException as exc:  # noqa: BLE001 - gloo reports a lost peer or a timeout this way
-            raise self._broken(exc, what, peer) from None
+            raise self.broken(exc, what, peer) from None
 
     def wait_collective(self, work: Any, what: str) -> None:
         """Poll a collective (gloo collectives complete in the background)."""
@@ -143,13 +145,14 @@ class Watchdog:
         try:
             work.wait()
         except BaseException as exc:  # noqa: BLE001
-            raise self._broken(exc, what, peer) from None
+            raise self.broken(exc, what, peer) from None
 
     def _late(self, what: str, peer: str) -> PipelineError:
         return self.fail(f"{peer} did not deliver {what} within {self.timeout:g} s (dead or hung); "
                          f"seen from rank {self.rank}")
 
-    def _broken(self, exc: BaseException, what: str, peer: str) -> PipelineError:
+    def broken(self, exc: BaseException, what: str, peer: str) -> PipelineError:
+        """The error for a wait on ``what`` that raised ``exc`` (a timeout, or a lost peer)."""
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "Timed out" in text or "timed out" in text:
             return self._late(what, peer)
@@ -157,15 +160,27 @@ class Watchdog:
 
 
 class SendReaper:
-    """Waits for sends in the background and drops each buffer once it has left.
+    """Waits for works in the background; drops each buffer once its work completed.
 
     gloo only learns that an ``isend`` completed inside ``wait()``; without this thread a
     step would keep every sent activation alive until its end (defeating checkpointing).
+    NCCL receives use it as their watchdog: the compute stream waits for them on the GPU
+    while this thread polls them against the time bound, so the host never waits.
+
+    Args:
+        timeout: seconds one work may take.
+        poll: poll ``is_completed()`` (NCCL, whose ``wait()`` does not block the host).
+        device: the CUDA device the works run on; the thread makes it current before its
+            first CUDA call (a new thread would otherwise create a context on GPU 0).
+        what: the works, for messages: "<what> rank <r> did not complete".
     """
 
-    def __init__(self, timeout: float, poll: bool = False) -> None:
+    def __init__(self, timeout: float, poll: bool = False, device: torch.device | None = None,
+                 what: str = "a send from") -> None:
         self.timeout = timeout
         self.poll = poll  # NCCL: wait() would not block the host; poll is_completed() instead
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.what = what
         self.error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -181,6 +196,8 @@ class SendReaper:
         self._queue.put((work, buf))
 
     def _main(self) -> None:
+        if self.device is not None:
+            make_current(self.device)
         while (item := self._queue.get()) is not None:
             try:
                 if self.poll:
@@ -207,7 +224,12 @@ class SendReaper:
             watchdog.check()
         if self.error is not None:
             text = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
-            raise watchdog.fail(f"a send from rank {watchdog.rank} did not complete ({text})")
+            raise watchdog.fail(f"{self.what} rank {watchdog.rank} did not complete ({text})")
+
+    def check(self, watchdog: Watchdog) -> None:
+        """Raise now if a work already failed or ran past the bound (no waiting)."""
+        if self.error is not None:
+            self.drain(watchdog)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallerState", "WorkerPool", "live_worker_threads", "recomputing", "is_recomputing"]
+__all__ = ["CallerState", "Phase", "WorkerPool", "live_worker_threads", "make_current", "recomputing",
+           "is_recomputing"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _live = 0
@@ -56,19 +57,30 @@ def live_worker_threads() -> int:
 
 @dataclass(frozen=True)
 class CallerState:
-    """Thread-local torch state of the calling thread, to be re-entered in workers."""
+    """Thread-local torch state of the calling thread, to be re-entered in workers.
+
+    Attributes:
+        grad_enabled, autocast, autocast_cache: the caller's grad mode and autocast.
+        default_device: the caller's ``torch.set_default_device`` (thread-local in torch).
+        streams: the caller's current CUDA streams, where one is not the device's
+            default stream (thread-local too), so stage work is ordered after the work
+            the caller queued on them.
+    """
 
     grad_enabled: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    default_device: torch.device = torch.device("cpu")
+    streams: tuple[Any, ...] = ()
 
     @staticmethod
     def capture() -> CallerState:
-        """Snapshot the current thread's grad mode and autocast settings."""
+        """Snapshot the current thread's grad mode, autocast, default device and streams."""
         autocast = tuple(
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in _AUTOCAST_TYPES
         )
-        return CallerState(torch.is_grad_enabled(), autocast, torch.is_autocast_cache_enabled())
+        return CallerState(torch.is_grad_enabled(), autocast, torch.is_autocast_cache_enabled(),
+                           torch.get_default_device(), _custom_streams())
 
     @contextlib.contextmanager
     def enter(self, grad_enabled: bool | None = None) -> Iterator[None]:
@@ -79,6 +91,89 @@ class CallerState:
                 if enabled:
                     stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=self.autocast_cache))
             yield
+
+    def placed(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Run on a stage's ``device``: current device, the caller's stream and default device.
+
+        A non-CPU default device of the stage's type becomes the stage's own device, the
+        way the stage's parameters were moved there (``torch.arange(n)`` in a stage on
+        ``cuda:1`` lands on ``cuda:1`` when the caller's default is ``cuda``); any other
+        default (``meta``, or CUDA for a CPU stage) is kept as it is.
+        """
+        default = self.default_device
+        if device.type != "cuda" and default.type == "cpu":
+            return contextlib.nullcontext()  # the common CPU case costs nothing
+        stack = contextlib.ExitStack()
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))  # first: it restores the thread's device on exit
+            make_current(device)
+            for stream in self.streams:
+                if stream.device == device:
+                    stack.enter_context(torch.cuda.stream(stream))
+        if default.type != "cpu":
+            stack.enter_context(torch.device(device if default.type == device.type else default))
+        return stack
+
+
+def _custom_streams() -> tuple[Any, ...]:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ()
+    streams = []
+    for i in range(torch.cuda.device_count()):
+        stream = torch.cuda.current_stream(i)
+        if stream != torch.cuda.default_stream(i):
+            streams.append(stream)
+    return tuple(streams)
+
+
+def make_current(device: torch.device) -> None:
+    """Give this thread a current CUDA context (once per thread) before it uses ``device``.
+
+    torch's device guard skips ``cudaSetDevice`` when the target equals what
+    ``cudaGetDevice`` reports, and a new thread reports device 0 with no context bound:
+    cuBLAS then warns "no current CUDA context" and binds one itself. Binding the
+    primary context up front, through the driver, avoids both.
+    """
+    if getattr(_local, "has_context", False):
+        return
+    _local.has_context = True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        import fastpipe._C as _C
+
+        if _C.backend_available("cuda"):
+            _C.cuda_make_current(index)
+            return
+    except ImportError:  # pragma: no cover - the extension is part of the install
+        pass
+    torch.cuda.set_device(index)
+
+
+class Phase:
+    """The jobs of one phase in flight: who failed first, and how many are still running."""
+
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self.done = threading.Semaphore(0)
+        self.count = 0
+        self._on_error = on_error
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def report(self, exc: BaseException) -> None:
+        """Record a failure; the first one calls ``on_error`` (which wakes the others)."""
+        with self._lock:
+            first = not self._errors
+            self._errors.append(exc)
+        if first:
+            self._on_error(exc)
+
+    def wait(self) -> None:
+        """Wait for every job handed out; re-raise the first failure, if any."""
+        for _ in range(self.count):
+            self.done.acquire()
+        self.count = 0
+        if self._errors:
+            raise self._errors[0]
 
 
 class WorkerPool:
@@ -108,28 +203,22 @@ class WorkerPool:
         ``on_error`` is called once, from the failing worker, with the first exception, so
         the caller can unblock the other workers. That first exception is re-raised here.
         """
+        self.start(jobs, on_error).wait()
+
+    def start(self, jobs: Sequence[Callable[[], None] | None], on_error: Callable[[BaseException], None]) -> Phase:
+        """Hand ``jobs[i]`` to worker ``i`` and return at once; :meth:`Phase.wait` joins them.
+
+        Between the two the calling thread may do work of its own, reporting its failure
+        through :meth:`Phase.report` like a worker would.
+        """
         if self._closed:
             raise RuntimeError("fastpipe: this pipeline's workers were closed")
-        done = threading.Semaphore(0)
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-
-        def report(exc: BaseException) -> None:
-            with lock:
-                first = not errors
-                errors.append(exc)
-            if first:
-                on_error(exc)
-
-        count = 0
+        phase = Phase(on_error)
         for q, job in zip(self._queues, jobs):
             if job is not None:
-                q.put((job, report, done))
-                count += 1
-        for _ in range(count):
-            done.acquire()
-        if errors:
-            raise errors[0]
+                q.put((job, phase.report, phase.done))
+                phase.count += 1
+        return phase
 
     def close(self) -> None:
         """Stop the threads; idempotent. Called when the owning pipeline is collected."""

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
-        if "gpu" in item.keywords and str(item.path).startswith(here):
+        if item.get_closest_marker("gpu") is not None and str(item.path).startswith(here):
             item.add_marker(skip)
 
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# What a GPU session runs, in one call, from the repository root of a fresh GPU host:
+#
+#     bash bench/gpu_session.sh          # run tool: timeout_s=540; results come back from $OUT
+#
+# Prints the host's facts, then runs bench/gpu_check.sh (build, gpu tests with per-test
+# limits, the Pipe-on-GPU bench, copy overlap, kernels, NCCL smoke) under one global
+# deadline of GPU_CHECK_DEADLINE seconds (default 450), so it ends inside 8 minutes even
+# if a step hangs. Files land flat in $OUT/gpu_check (see gpu_check.sh).
+set -u
+cd "$(dirname "$0")/.."
+echo "=== host"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 4
+python -c "import sys, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+exec bash bench/gpu_check.sh

@@ -1,0 +1,134 @@
+"""Backward on an autograd device thread: the calling thread runs the device stages itself.
+
+``Pipe.forward``'s backward is one autograd node (see :mod:`fastpipe.runtime.local`).
+torch runs a node whose incoming gradients live on ``cuda:d`` on its engine thread for
+``cuda:d``, and any ``torch.autograd.grad``/``backward`` of CUDA tensors started by
+*another* thread queues its nodes to the engine thread of their device. A node that
+blocks on the device thread while stage workers run their backward therefore deadlocks
+as soon as one stage lives on that device::
+
+    engine thread cuda:0                       stage worker (cuda:0)
+    ┌─────────────────────────────┐            ┌────────────────────────────────┐
+    │ _PipelineFunction.backward  │            │ autograd.grad(stage graph)     │
+    │   waits for the workers ────┼──────────▶ │   queues its nodes to cuda:0 ──┼──┐
+    └─────────────────────────────┘            └────────────────────────────────┘  │
+                 ▲ the same thread, blocked: nothing ever runs them ◀──────────────┘
+
+A backward started *from* an engine thread runs reentrantly, inline on that thread, and
+its nodes on other CUDA devices go to those devices' engine threads, which nothing
+blocks. So when the node runs on a device thread, the calling thread executes the
+actions of every worker that owns a non-CPU stage itself, interleaved in an order the
+schedule allows (:func:`run_inline`), while workers of CPU stages keep their own threads
+and overlap as before. Kernel launches are asynchronous, so one host thread keeps
+several GPUs busy. Nothing else calls autograd on CUDA tensors meanwhile: CPU stages'
+graphs hold CPU tensors only (their inputs are fresh leaves on the stage's device) and
+gradients cross devices through ``fastpipe._C`` copies, not autograd.
+
+The alternative, stitching the CUDA stages into one autograd graph, would give up the
+per-stage control the schedules need (recompute placement, split B/W, the fused weight
+gradients) and differ from the CPU path in every one of them; running the very same
+action handlers on another thread keeps one code path.
+
+``FASTPIPE_SIMULATE_DEVICE_STAGES`` (``all`` or stage indices such as ``0,2``) makes a
+CPU run take this path as if those stages were on a GPU and the node on its device
+thread, so CI covers it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+
+import torch
+
+from fastpipe.runtime.mailbox import Mailbox
+from fastpipe.schedule import Action, Schedule
+
+__all__ = ["SIMULATE_ENV", "simulated_device_stages", "inline_workers", "run_inline", "worker_like"]
+
+SIMULATE_ENV = "FASTPIPE_SIMULATE_DEVICE_STAGES"
+
+
+def simulated_device_stages(num_stages: int) -> frozenset[int] | None:
+    """Stages that ``FASTPIPE_SIMULATE_DEVICE_STAGES`` treats as on a GPU (None: unset)."""
+    value = os.environ.get(SIMULATE_ENV, "").strip()
+    if not value:
+        return None
+    if value == "all":
+        return frozenset(range(num_stages))
+    try:
+        stages = frozenset(int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"fastpipe: {SIMULATE_ENV}={value!r}; give 'all' or stage indices like '0,2'") from None
+    if any(not 0 <= s < num_stages for s in stages):
+        raise ValueError(f"fastpipe: {SIMULATE_ENV}={value!r} names a stage outside 0..{num_stages - 1}")
+    return stages
+
+
+def inline_workers(schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool) -> frozenset[int]:
+    """The workers whose actions the calling thread must run itself.
+
+    Args:
+        schedule: the step's schedule.
+        devices: the device of every stage.
+        on_device_thread: the calling thread is an autograd engine device thread (the
+            pipeline's backward node received a gradient on a non-CPU device).
+    """
+    on_device = {s for s, d in enumerate(devices) if d.type != "cpu"}
+    simulated = simulated_device_stages(len(devices))
+    if simulated is not None:
+        on_device |= simulated
+        on_device_thread = True
+    if not on_device_thread or not on_device:
+        return frozenset()
+    return frozenset(w for w, actions in enumerate(schedule.workers) if any(a.stage in on_device for a in actions))
+
+
+@contextlib.contextmanager
+def worker_like() -> Iterator[None]:
+    """The thread-local state a worker thread starts with: grad on, autocast off.
+
+    An engine thread runs a node under no_grad, and a caller may run ``backward()``
+    inside autocast; the handlers expect a worker's state and set what they need.
+    """
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+def run_inline(
+    queues: Mapping[int, Sequence[Action]],
+    run: Callable[[int, Action], None],
+    waits_on: Callable[[Action], Hashable | None],
+    mailbox: Mailbox,
+) -> None:
+    """Run several workers' action lists on this thread, each list in its own order.
+
+    Takes the workers in turn and runs the next action of the first one whose input has
+    arrived (``waits_on(action)`` is the mailbox slot it will read, or None), so the
+    stages' work interleaves like the threads would; when none can run, waits for any of
+    the slots (filled by a worker thread or by an action run here). A schedule that
+    passes validation always lets one run, or has a worker thread about to fill a slot.
+    """
+    pending = {w: deque(actions) for w, actions in queues.items() if actions}
+    order = sorted(pending)
+    turn = 0
+    while pending:
+        blocked: list[Hashable] = []
+        for i in range(len(order)):
+            w = order[(turn + i) % len(order)]
+            todo = pending.get(w)
+            if todo is None:
+                continue
+            slot = waits_on(todo[0])
+            if slot is not None and slot not in mailbox:
+                blocked.append(slot)
+                continue
+            run(w, todo.popleft())
+            if not todo:
+                del pending[w]
+            turn = (turn + i + 1) % len(order)
+            break
+        else:
+            mailbox.wait_any(blocked)

@@ -1,0 +1,52 @@
+"""NCCL receives are waited for on the GPU, with a background watch as their time bound.
+
+The NCCL path cannot run on CPU; its watch (a ``SendReaper`` that polls) is checked here
+with stand-in works: a receive that never completes fails the step within the bound,
+without the host ever waiting on the receive itself.
+"""
+
+import threading
+import time
+
+import pytest
+
+from fastpipe.errors import PipelineError
+from fastpipe.runtime.watchdog import SendReaper, Watchdog
+
+
+class FakeWork:
+    def __init__(self, done_after=None):
+        self.born = time.monotonic()
+        self.done_after = done_after
+        self.waited = threading.Event()
+
+    def is_completed(self):
+        return self.done_after is not None and time.monotonic() - self.born >= self.done_after
+
+    def wait(self, timeout=None):
+        self.waited.set()
+        return True
+
+
+def test_late_receive_fails_at_the_next_check():
+    watchdog = Watchdog(None, "abort", timeout=0.2, rank=3)
+    watch = SendReaper(0.2, poll=True, what="a payload receive on")
+    watch.add(FakeWork(done_after=None), None)  # never completes
+    watch.check(watchdog)  # not yet late: no error, no wait
+    time.sleep(0.5)
+    with pytest.raises(PipelineError, match="a payload receive on rank 3 did not complete"):
+        watch.check(watchdog)
+    watch.close()
+
+
+def test_completed_receives_drain_quickly():
+    watchdog = Watchdog(None, "abort", timeout=5, rank=0)
+    watch = SendReaper(5, poll=True, what="a payload receive on")
+    works = [FakeWork(done_after=0.01 * i) for i in range(5)]
+    for w in works:
+        watch.add(w, None)
+    started = time.monotonic()
+    watch.drain(watchdog)
+    assert time.monotonic() - started < 2
+    assert all(w.waited.is_set() for w in works)
+    watch.close()
