@@ -4,6 +4,9 @@ On a GPU host every visible GPU holds one stage (bf16 autocast); otherwise 2 CPU
 one thread each. Per step it logs the loss; at the end it evaluates the validation loss
 against the unigram baseline, profiles one more (untrained) step with a timeline and the
 activation meter, samples some text, and writes the report (see :mod:`.report`).
+
+``--schedule async`` trains through :func:`fastpipe.asynchronous.fit` instead of one
+``train_step`` per step; both feed the same loop (:mod:`.loop`).
 """
 
 from __future__ import annotations
