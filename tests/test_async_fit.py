@@ -59,6 +59,51 @@ def test_sync_equals_train_step_then_step(name: str, chunks: int) -> None:
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+class _Projection(nn.Module):
+    """Identity in forward; owns the weight that the loss applies (like fastpipe train's LMHead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16) / 4)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h
+
+
+class _ProjectedMSE:
+    reduction = "mean"
+
+    def __init__(self, head: _Projection) -> None:
+        self.head = head
+
+    def __call__(self, h: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.mse_loss(h @ self.head.weight.t(), y)
+
+
+@pytest.mark.parametrize("consistency", ["sync", "predict"])
+def test_a_loss_that_reads_last_stage_weights_trains_them(consistency: str) -> None:
+    def build() -> tuple[Pipe, torch.optim.Optimizer]:
+        torch.manual_seed(5)
+        pipe = Pipe(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _Projection()), balance=[2, 2],
+                    chunks=2)
+        return pipe, torch.optim.Adam(pipe.parameters(), lr=1e-2)
+
+    batches = data(3)
+    ref, opt = build()
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        ref.train_step(x, y, _ProjectedMSE(ref[3]))
+        opt.step()
+    pipe, opt2 = build()
+    before = pipe[3].weight.detach().clone()
+    list(pipe.fit(batches, _ProjectedMSE(pipe[3]), opt2, consistency=consistency, window=3))
+    # Adam moves a weight with a gradient by about lr per update (3 here); without one it stays.
+    assert (pipe[3].weight - before).abs().mean() > 1e-2
+    if consistency == "sync":
+        for (n, p), q in zip(pipe.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), n
+
+
 def test_sync_clips_each_stage() -> None:
     batches = data(3)
     ref = Pipe(model(), balance=[3, 4], chunks=2)

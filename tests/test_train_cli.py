@@ -64,6 +64,43 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path: object, schedule: str
     assert sorted(os.listdir(ckpt)) == ["model-000006.pt", "run.pt"]
 
 
+def test_async_learns_and_reports_its_window(tmp_path: object) -> None:
+    report = _train(tmp_path, "async", "--steps", "6", "--schedule", "async", "--window", "3")
+    assert report["settings"]["consistency"] == "predict" and report["settings"]["window"] == 3
+    history = report["history"]
+    assert len(history) == 6 and history[-1] < history[0] - 0.1
+    assert "async/predict" in report["bubble"]["timeline"]
+    assert 0.0 <= report["bubble"]["measured"] < 1.0 and 0.0 <= report["bubble"]["simulated"] < 1.0
+    memory = report["memory"]
+    assert all(b > 0 for b in memory["activation_bytes_per_stage"])
+    # predict keeps one predicted copy where an update lands between F and B (stage 0 of 2);
+    # the last stage updates right after its last backward.
+    assert memory["weight_copy_bytes_per_stage"][0] > 0
+    assert memory["weight_copy_bytes_per_stage"] <= memory["weight_copy_bound_per_stage"]
+    with open(report["files"]["trace.json"]) as f:
+        names = {e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"}
+    assert {"0U0", "1U2"} <= names  # the traced window's weight updates
+
+
+def test_async_sync_equals_1f1b_bit_for_bit(tmp_path: object) -> None:
+    # fit owns the step here; same learning rate per step, same arithmetic as train_step + step.
+    flags = ["--steps", "4", "--warmup", "3"]
+    sync = _train(tmp_path, "sync", *flags, "--schedule", "async", "--consistency", "sync", "--window", "3")
+    assert sync["history"] == _train(tmp_path, "1f1b", *flags, "--schedule", "1f1b")["history"]
+
+
+def test_async_resume_continues_the_loss_curve_exactly(tmp_path: object) -> None:
+    flags = ["--dropout", "0.1", "--schedule", "async", "--window", "2", "--consistency", "stash"]
+    whole = _train(tmp_path, "whole", "--steps", "6", *flags)["history"]
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    first = _train(tmp_path, "first", "--steps", "4", "--save", ckpt, "--save-every", "2", *flags)["history"]
+    resumed = _train(tmp_path, "resumed", "--steps", "6", "--resume", ckpt, *flags)["history"]
+    assert first == whole[:4]
+    assert resumed == whole  # bitwise: the weights, AdamW state, RNG and lr continue at the window boundary
+    code = main(["train", *TINY, "--steps", "6", "--resume", ckpt, "--out", str(tmp_path), *flags[:-2]])
+    assert code == 2  # another consistency policy would change the curve
+
+
 def test_resume_refuses_other_settings(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = os.path.join(str(tmp_path), "ckpt")
     _train(tmp_path, "first", "--steps", "1", "--save", ckpt)
@@ -80,6 +117,13 @@ def test_resume_refuses_other_settings(tmp_path: object, capsys: pytest.CaptureF
     (["--steps", "0"], "--steps must be >= 1"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
     (["--resume", "/nonexistent/fastpipe-ckpt"], "no run.pt there"),
+    (["--consistency", "stash"], "--consistency applies to --schedule async only"),
+    (["--window", "4"], "--window applies to --schedule async only"),
+    (["--schedule", "async", "--window", "0"], "--window must be >= 1"),
+    (["--schedule", "async", "--window", "4", "--steps", "8", "--save", "/nonexistent/ckpt", "--save-every", "2"],
+     "--save-every 2 is not a multiple of --window 4"),
+    (["--schedule", "async", "--window", "4", "--steps", "6", "--save", "/nonexistent/ckpt"],
+     "needs --steps to be a multiple of --window 4"),
 ])
 def test_bad_flags_are_refused_with_what_to_change(tmp_path: object, capsys: pytest.CaptureFixture[str],
                                                    flags: list[str], message: str) -> None:

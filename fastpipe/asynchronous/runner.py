@@ -13,6 +13,7 @@ recompute, same loss weighting) in three ways:
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,6 +43,17 @@ class _OnVersion(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         return functional_call(self.inner, dict(zip(self.names, self.tensors)), (inputs,), strict=False)
+
+
+class _Bound(nn.Module):
+    """Runs a callable while ``functional_call`` binds ``inner``'s parameters to version tensors."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, fn: Callable[[], Value]) -> Value:
+        return fn()
 
 
 class StreamRunner(StepRunner):
@@ -84,7 +96,14 @@ class StreamRunner(StepRunner):
         module = self._modules[s]
         module.tensors = self.weights[s].tensors(m)
         try:
-            return super()._run_module(s, m, inputs)
+            if s != self.last or self.loss is None:
+                return super()._run_module(s, m, inputs)
+            # The loss may read the last stage's parameters too (an LM head's projection in
+            # kernels.linear_cross_entropy): bind them to the version as well, or the loss
+            # would see the live weights and their gradient would never reach the update.
+            bound = {f"inner.{n}": t for n, t in zip(module.names, module.tensors)}
+            run = functools.partial(StepRunner._run_module, self, s, m, inputs)
+            return functional_call(_Bound(module.inner), bound, (run,), strict=False)
         finally:
             module.tensors = ()
 

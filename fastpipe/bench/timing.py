@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from fastpipe.schedule import build, simulate
+from fastpipe.schedule import Schedule, build, simulate
 from fastpipe.trace import Timeline
 
 __all__ = ["action_costs", "simulate_measured"]
@@ -17,7 +17,7 @@ def _stage_and_kind(action: str) -> tuple[int, str]:
 
 
 def action_costs(timeline: Timeline, num_stages: int) -> dict[str, list[float]]:
-    """Median duration of each action kind (``F``, ``B``, ``W``, ``BW``) per stage.
+    """Median duration of each action kind (``F``, ``B``, ``W``, ``BW``, ``U``) per stage.
 
     Only kinds measured on every stage are returned.
     """
@@ -29,14 +29,17 @@ def action_costs(timeline: Timeline, num_stages: int) -> dict[str, list[float]]:
         samples[(kind, stage)].append(e.end - e.start)
     return {
         kind: [statistics.median(samples[(kind, s)]) for s in range(num_stages)]
-        for kind in ("F", "B", "W", "BW")
+        for kind in ("F", "B", "W", "BW", "U")
         if all((kind, s) in samples for s in range(num_stages))
     }
 
 
-def simulate_measured(timeline: Timeline, schedule: str, workers: int, microbatches: int,
+def simulate_measured(timeline: Timeline, schedule: str | Schedule, workers: int, microbatches: int,
                       virtual_stages: int = 1) -> Timeline:
     """The simulator's timeline of ``schedule`` priced with the costs measured in ``timeline``.
+
+    ``schedule`` is a name for :func:`fastpipe.schedule.build` or a built schedule (a
+    stream of mini-batches, whose weight updates ``U`` are priced as measured too).
 
     Backwards measured only combined (``BW``) are split half and half into B and W where the
     schedule needs them; a measured combined cost prices the schedule's combined backwards.
@@ -47,5 +50,7 @@ def simulate_measured(timeline: Timeline, schedule: str, workers: int, microbatc
         raise ValueError("the timeline lacks forward or backward actions on some stage")
     backward = costs.get("B") or [c / 2 for c in costs["BW"]]
     weight = costs.get("W") or [c / 2 for c in costs["BW"]]
-    return simulate(build(schedule, workers, microbatches, virtual_stages=virtual_stages), forward=costs["F"],
-                    backward=backward, weight=weight, combined=costs.get("BW"))
+    built = build(schedule, workers, microbatches, virtual_stages=virtual_stages) if isinstance(schedule, str) \
+        else schedule
+    return simulate(built, forward=costs["F"], backward=backward, weight=weight, combined=costs.get("BW"),
+                    update=costs.get("U", 0.0))

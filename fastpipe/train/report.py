@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from fastpipe.bench.timing import simulate_measured
+from fastpipe.schedule import Schedule
 from fastpipe.trace import Timeline
 
 __all__ = ["write_report", "REPORT_KEYS"]
@@ -38,25 +39,29 @@ def _plot_loss(path: str, history: list[float], start_step: int, val_loss: float
 
 
 def write_report(out: str, *, settings: dict[str, Any], history: list[float], start_step: int, val_loss: float,
-                 unigram: float, tokens_per_s: float | None, timeline: Timeline, workers: int, microbatches: int,
-                 virtual: int, memory: dict[str, Any], sample: str, corpus: dict[str, Any], devices: list[str],
-                 parameters: int) -> dict[str, Any]:
+                 unigram: float, tokens_per_s: float | None, timeline: Timeline, traced: str,
+                 schedule: str | Schedule, workers: int, microbatches: int, virtual: int, memory: dict[str, Any],
+                 sample: str, corpus: dict[str, Any], devices: list[str], parameters: int) -> dict[str, Any]:
     """Prints the summary and writes ``report.json``, ``loss.png``, ``timeline.png`` and ``trace.json``.
+
+    ``timeline`` is the traced extra step, ``traced`` says in words what it ran, and
+    ``schedule`` (a name or a built stream) is what the simulator prices with its costs.
 
     Returns the report dict (what ``report.json`` holds; :data:`REPORT_KEYS`).
     """
     os.makedirs(out, exist_ok=True)
     files = {name: os.path.join(out, name) for name in ("report.json", "loss.png", "timeline.png", "trace.json")}
-    simulated = simulate_measured(timeline, settings["schedule"], workers, microbatches, virtual)
-    bubble = {"measured": timeline.bubble_fraction, "simulated": simulated.bubble_fraction,
-              "measured_step_s": timeline.makespan, "simulated_step_s": simulated.makespan}
+    simulated = simulate_measured(timeline, schedule, workers, microbatches, virtual)
+    bubble: dict[str, Any] = {"timeline": traced, "measured": timeline.bubble_fraction,
+                              "simulated": simulated.bubble_fraction, "measured_step_s": timeline.makespan,
+                              "simulated_step_s": simulated.makespan}
     report = {"settings": settings, "steps": len(history), "history": history, "val_loss": val_loss,
               "unigram_entropy": unigram, "tokens_per_s": tokens_per_s, "bubble": bubble, "memory": memory,
               "sample": sample, "corpus": corpus, "devices": devices, "parameters": parameters, "files": files}
     timeline.to_chrome_trace(files["trace.json"])
     try:
-        timeline.plot(files["timeline.png"], title=f"fastpipe train: {settings['schedule']}, {workers} workers, "
-                      f"{microbatches} micro-batches (measured bubble {bubble['measured']:.1%})")
+        timeline.plot(files["timeline.png"], title=f"fastpipe train: {traced}, {workers} workers "
+                      f"(measured bubble {bubble['measured']:.1%})")
         _plot_loss(files["loss.png"], history, start_step, val_loss, unigram)
     except ImportError:
         files = {k: v for k, v in files.items() if not k.endswith(".png")}
@@ -70,9 +75,12 @@ def write_report(out: str, *, settings: dict[str, Any], history: list[float], st
     if tokens_per_s is not None:
         print(f"  throughput         {tokens_per_s:,.0f} tokens/s")
     print(f"  bubble             measured {bubble['measured']:.1%}, simulated from the measured costs "
-          f"{bubble['simulated']:.1%} (step {bubble['measured_step_s'] * 1e3:.0f} ms vs "
-          f"{bubble['simulated_step_s'] * 1e3:.0f} ms)")
+          f"{bubble['simulated']:.1%} ({bubble['measured_step_s'] * 1e3:.0f} ms vs "
+          f"{bubble['simulated_step_s'] * 1e3:.0f} ms) over {traced}")
     print("  activations kept   " + ", ".join(f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(peak)))
+    if "weight_copy_bytes_per_stage" in memory:
+        print("  weight copies      " + ", ".join(
+            f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(memory["weight_copy_bytes_per_stage"])))
     for device, b in memory.get("max_memory_allocated_per_device", {}).items():
         print(f"  max allocated      {device}: {b / 2**30:.2f} GiB")
     verdict = "below" if val_loss < unigram else "NOT below"

@@ -4,6 +4,9 @@ On a GPU host every visible GPU holds one stage (bf16 autocast); otherwise 2 CPU
 one thread each. Per step it logs the loss; at the end it evaluates the validation loss
 against the unigram baseline, profiles one more (untrained) step with a timeline and the
 activation meter, samples some text, and writes the report (see :mod:`.report`).
+
+``--schedule async`` trains through :func:`fastpipe.asynchronous.fit` instead of one
+``train_step`` per step; both feed the same loop (:mod:`.loop`).
 """
 
 from __future__ import annotations
@@ -14,20 +17,24 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from fastpipe.asynchronous import POLICIES, fit
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
+from fastpipe.schedule.stream import build_stream
+from fastpipe.trace import Timeline
+from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses, traced_window
 from fastpipe.train.meter import ActivationMeter
 from fastpipe.train.model import GPTConfig, LMHead, LMLoss, build_gpt
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, load_run, save_run
 from fastpipe.train.textdata import VOCAB, Corpus, decode, encode, load_corpus, unigram_entropy
 
-__all__ = ["add_arguments", "run", "STEP_RUNNERS", "TrainError"]
+__all__ = ["ASYNC", "add_arguments", "run", "STEP_RUNNERS", "TrainError"]
 
 StepRunner = Callable[[Pipe, Tensor, Tensor, LMLoss, bool], Tensor]
 
@@ -39,18 +46,22 @@ def _train_step(name: str, virtual_stages: int = 1) -> StepRunner:
     return step
 
 
-# How each --schedule runs one step, and its stages per worker. The asynchronous XPipe
-# schedule plugs in here: one more entry whose runner does its step (weight prediction,
-# deferred update) and returns the mini-batch loss.
+# How each synchronous --schedule runs one step, and its stages per worker. The
+# asynchronous schedule (ASYNC) is not a step: fastpipe.asynchronous.fit owns the optimizer
+# step and yields one loss per mini-batch (see fastpipe.train.loop).
 STEP_RUNNERS: dict[str, tuple[StepRunner, int]] = {
     "gpipe": (_train_step("gpipe"), 1),
     "1f1b": (_train_step("1f1b"), 1),
     "interleaved": (_train_step("interleaved", 2), 2),
     "zb-h1": (_train_step("zb-h1"), 1),
 }
+ASYNC = "async"  # XPipe-style streams of mini-batches without a flush, in windows
+DEFAULT_CONSISTENCY = "predict"
+DEFAULT_WINDOW = 10
 
 # Settings that change the loss curve: a resumed run must keep them.
-_CURVE_KEYS = ("model", "batch", "chunks", "stages", "schedule", "checkpoint", "seed", "lr", "warmup")
+_CURVE_KEYS = ("model", "batch", "chunks", "stages", "schedule", "checkpoint", "seed", "lr", "warmup",
+               "consistency", "window")
 
 
 class TrainError(ValueError):
@@ -59,7 +70,15 @@ class TrainError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``fastpipe train`` flags."""
-    p.add_argument("--schedule", default="1f1b", choices=sorted(STEP_RUNNERS))
+    p.add_argument("--schedule", default="1f1b", choices=[*STEP_RUNNERS, ASYNC],
+                   help=f"pipeline schedule; {ASYNC}: mini-batches stream without a flush and each stage updates "
+                        "its weights as soon as it has its gradient (XPipe), through fastpipe.asynchronous.fit")
+    p.add_argument("--consistency", default=None, choices=POLICIES,
+                   help=f"with --schedule {ASYNC}: which weights a micro-batch runs on (default "
+                        f"{DEFAULT_CONSISTENCY}: XPipe weight prediction; sync flushes every mini-batch)")
+    p.add_argument("--window", type=int, default=None, metavar="N",
+                   help=f"with --schedule {ASYNC}: mini-batches between pipeline drains, the only exact save "
+                        f"points (default {DEFAULT_WINDOW})")
     p.add_argument("--stages", type=int, default=None,
                    help="pipeline workers (default: one per visible GPU, else 2 CPU stages)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
@@ -116,6 +135,29 @@ def _check(args: argparse.Namespace, layers: int, virtual: int) -> None:
         raise TrainError("--save-every and --warmup must be >= 0 and --lr > 0")
     if args.save_every and not args.save:
         raise TrainError("--save-every needs --save DIR")
+    _check_async(args)
+
+
+def _check_async(args: argparse.Namespace) -> None:
+    """Resolves --consistency and --window (only for the asynchronous schedule)."""
+    if args.schedule != ASYNC:
+        for flag, value in (("--consistency", args.consistency), ("--window", args.window)):
+            if value is not None:
+                raise TrainError(f"{flag} applies to --schedule {ASYNC} only (the synchronous schedules flush "
+                                 f"every step); drop it or pass --schedule {ASYNC}")
+        return
+    args.consistency = args.consistency or DEFAULT_CONSISTENCY
+    args.window = DEFAULT_WINDOW if args.window is None else args.window
+    if args.window < 1:
+        raise TrainError(f"--window must be >= 1 (mini-batches between drains), got {args.window}")
+    # Only a drained point is exact, and only the uninterrupted run's drains continue the same curve.
+    if args.save_every % args.window:
+        raise TrainError(f"--save-every {args.save_every} is not a multiple of --window {args.window}: "
+                         f"--schedule {ASYNC} can save only where the pipeline drains, every --window steps")
+    if args.save and args.steps % args.window:
+        raise TrainError(f"--save with --schedule {ASYNC} needs --steps to be a multiple of --window "
+                         f"{args.window} (got {args.steps}): the final save must be a window boundary for a "
+                         "resumed run to continue exactly")
 
 
 def _balance(layers: int, stages: int) -> list[int]:
@@ -172,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Trains as ``args`` say; returns the report (also written to ``args.out``)."""
     gpus = torch.cuda.device_count()
     args.stages = args.stages if args.stages is not None else (gpus or 2)
-    runner, virtual = STEP_RUNNERS[args.schedule]
+    runner, virtual = STEP_RUNNERS.get(args.schedule, (None, 1))
     layers = args.layers if args.layers is not None else max(4, args.stages * virtual)
     args.layers = layers
     _check(args, layers, virtual)
@@ -188,8 +230,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     corpus = load_corpus(args.data, max_chars=args.max_chars)
     cfg = GPTConfig(VOCAB, args.seq_len, layers, args.dim, args.heads, args.dropout)
+    # The asynchronous stream is 1F1B's order without the flush.
     pipe = Pipe(build_gpt(cfg, args.seed), balance=_balance(layers, args.stages * virtual), devices=devices,
-                chunks=args.chunks, checkpoint=args.checkpoint, virtual_stages=virtual, schedule=args.schedule)
+                chunks=args.chunks, checkpoint=args.checkpoint, virtual_stages=virtual,
+                schedule="1f1b" if runner is None else args.schedule)
     head = pipe[len(pipe) - 1]
     assert isinstance(head, LMHead)
     loss_fn = LMLoss(head)
@@ -197,9 +241,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {"model": cfg.to_dict(), "batch": args.batch, "chunks": args.chunks, "stages": args.stages,
                 "schedule": args.schedule, "checkpoint": args.checkpoint, "seed": args.seed, "lr": args.lr,
                 "warmup": args.warmup}
+    if runner is None:
+        settings.update(consistency=args.consistency, window=args.window)
     history: list[float] = []
     start_step = 0
-    torch.manual_seed(args.seed)  # the Pipe draws each step's dropout seed from this generator
+    torch.manual_seed(args.seed)  # the Pipe draws each step's (fit: each window's) dropout seed from this generator
     if args.resume:
         record = load_run(args.resume, pipe, opt)
         check_compatible(record["settings"], settings, _CURVE_KEYS)
@@ -210,57 +256,93 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     first, last = devices[0], devices[(len(devices) - 1) % args.stages]
     tokens = args.batch * args.seq_len
+
+    def batches(start: int, stop: int) -> Iterator[tuple[Tensor, Tensor]]:
+        for step in range(start, stop):  # the data of step n is a function of n: resumes need no data state
+            x, y = corpus.batch("train", args.batch, args.seq_len, args.seed, step)
+            yield x.to(first), y.to(last)
+
+    def lr(step: int) -> float:
+        return lr_at(step, args.lr, args.warmup)
+
+    fit_run = None
+    if runner is None:
+        fit_run = fit(pipe, batches(start_step, args.steps), loss_fn, opt, consistency=args.consistency,
+                      scheduler=step_scheduler(opt, start_step, lr), window=args.window, trace=False)
+        losses = fit_losses(fit_run, autocast)
+    else:
+        losses = sync_losses(pipe, opt, runner, loss_fn, batches(start_step, args.steps), start_step, lr, autocast)
+    # fit yields a window's losses together: time from the end of the first window (a step for
+    # the synchronous schedules), where the process has warmed up, so both count whole windows.
+    warm = args.window if runner is None else 1
     from tqdm import tqdm
 
     bar = tqdm(range(start_step, args.steps), desc="fastpipe train", unit="step", initial=start_step,
                total=args.steps, disable=args.no_progress, file=sys.stderr)
     timed, timed_steps = 0.0, 0
     for step in bar:
-        x, y = corpus.batch("train", args.batch, args.seq_len, args.seed, step)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.lr, args.warmup)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = runner(pipe, x.to(first), y.to(last), loss_fn, False)
-        opt.step()
-        value = float(loss)
+        value = float(next(losses))
         elapsed = time.perf_counter() - t0
-        if step > start_step:  # the first step of a process warms up
+        if step >= start_step + warm:
             timed += elapsed
             timed_steps += 1
         history.append(value)
         if not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at step {step + 1}; lower --lr")
-        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens / elapsed:,.0f}")
+        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens * timed_steps / timed:,.0f}" if timed else "-")
         done = step + 1
+        # Under ASYNC, --save-every and --steps are multiples of --window (see _check_async): drained points.
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             save_run(args.save, pipe, opt, done, {"settings": settings, "history": history})
     bar.close()
 
     val_loss = evaluate(pipe, loss_fn, corpus, args, autocast, first, last)
-    # One more step, traced and metered, whose gradients are thrown away: the timeline and
-    # the activation peaks come from a step like the others without changing the run.
-    x, y = corpus.batch("train", args.batch, args.seq_len, args.seed, args.steps)
+    # One more step (ASYNC: window), traced and metered, whose updates are thrown away: the
+    # timeline and the activation peaks come from a step like the others without changing the run.
     meter = ActivationMeter(pipe.partitions)
-    opt.zero_grad(set_to_none=True)
-    with meter, autocast():
-        runner(pipe, x.to(first), y.to(last), loss_fn, True)
-    opt.zero_grad(set_to_none=True)
-    timeline = pipe.last_timeline
+    memory: dict[str, Any] = {}
+    timeline: Timeline | None
+    if runner is None:
+        traced = f"one window of {args.window} mini-batches, {ASYNC}/{args.consistency} (1F1B stream)"
+        simulated: Any = build_stream(args.stages, args.chunks, args.window, flush=args.consistency == "sync")
+        timeline, copies = traced_window(pipe, opt, loss_fn, batches(args.steps, args.steps + args.window),
+                                         consistency=args.consistency, window=args.window, start=args.steps,
+                                         lr_at=lr, context=lambda: _both(meter, autocast()))
+        assert fit_run is not None
+        # Kept at once, per stage: the predicted or stashed weight versions (also among the
+        # activations above when a forward saved them for its backward).
+        memory["weight_copy_bytes_per_stage"] = [max(fit_run.weight_copy_bytes[s], copies[s])
+                                                 for s in sorted(copies)]
+        memory["weight_copy_bound_per_stage"] = [fit_run.weight_copy_bound[s] for s in sorted(copies)]
+    else:
+        traced, simulated = f"one step of {args.schedule}", args.schedule
+        x, y = next(batches(args.steps, args.steps + 1))
+        opt.zero_grad(set_to_none=True)
+        with meter, autocast():
+            runner(pipe, x, y, loss_fn, True)
+        opt.zero_grad(set_to_none=True)
+        timeline = pipe.last_timeline
     assert timeline is not None
+    memory = {"activation_bytes_per_stage": meter.peaks, **memory}
     sample = sample_text(pipe, head, "def ", args.sample_chars, args.seq_len, args.seed)
-    memory: dict[str, Any] = {"activation_bytes_per_stage": meter.peaks}
     if gpus:
         memory["max_memory_allocated_per_device"] = {
             str(d): torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices)}
     return write_report(
         args.out, settings=settings, history=history, start_step=start_step, val_loss=val_loss,
         unigram=unigram_entropy(corpus.train, corpus.val), tokens_per_s=tokens * timed_steps / timed if timed else None,
-        timeline=timeline, workers=args.stages, microbatches=min(args.chunks, args.batch), virtual=virtual,
-        memory=memory, sample=sample, corpus={"root": corpus.root, "files": corpus.files,
-                                              "train_chars": len(corpus.train), "val_chars": len(corpus.val)},
+        timeline=timeline, traced=traced, schedule=simulated, workers=args.stages,
+        microbatches=min(args.chunks, args.batch), virtual=virtual, memory=memory, sample=sample,
+        corpus={"root": corpus.root, "files": corpus.files, "train_chars": len(corpus.train),
+                "val_chars": len(corpus.val)},
         devices=[str(d) for d in devices], parameters=sum(p.numel() for p in pipe.parameters()))
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def main(argv: Sequence[str] | None = None) -> int:
