@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
-from fastpipe.rng import TaskRNG, task_seed
+from fastpipe.rng import TaskRNG, may_draw, task_seed
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.param_hooks import hooks_set_aside
@@ -75,7 +75,8 @@ class _Task:
 
     inputs: Value  # the stage's input leaves
     outputs: Value | None  # graph-attached outputs; None when checkpointed
-    seed: int
+    rng: Callable[[], Any]  # enters the task's RNG (the same streams again for a recompute)
+    versions: list[int] | None = None  # of the inputs after a checkpointed forward, to check before its replay
     weight_work: WeightWork | None = None  # set by B, consumed by W
 
 
@@ -161,16 +162,36 @@ class StepRunner:
             return loss.reshape(())
         return out
 
+    def _task_rng(self, s: int, m: int) -> Callable[[], Any]:
+        """What to enter around task (s, m) so that its random ops draw from its own streams.
+
+        Stages that cannot draw skip :class:`TaskRNG`, whose per-op interception costs host
+        time (see fastpipe.rng); the choice is kept with the task, so a recompute replays it.
+        """
+        stage = self.stages[s]
+        loss = self.loss.fn if s == self.last and self.loss is not None else None
+        if not may_draw(stage.module, loss):
+            return contextlib.nullcontext
+        seed = task_seed(self.state.step_seed, s, m)
+        watch = {torch.device("cpu"), stage.device}
+        return lambda: TaskRNG(seed, watch)
+
     def forward(self, action: Action) -> float:
         s, m = action.stage, action.microbatch
         inputs = self.transport.recv_activation(s, m)
         started = time.perf_counter()
-        seed = task_seed(self.state.step_seed, s, m)
+        rng = self._task_rng(s, m)
         keep_graph = self.grad and not self.checkpoint(m)
-        with self.state.caller.enter(grad_enabled=keep_graph), TaskRNG(seed):
+        replayed = self.grad and not keep_graph
+        before = _versions(inputs) if replayed else None
+        with self.state.caller.enter(grad_enabled=keep_graph), rng():
             out = self._run_module(s, m, inputs)
         if self.grad:
-            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, seed)
+            task = _Task(inputs, out if keep_graph else None, rng)
+            if replayed:
+                task.versions = _versions(inputs)
+                _check_untouched(before, task.versions, inputs, s, m, "during its checkpointed forward")
+            self.state.tasks[(s, m)] = task
         if s == self.last:
             self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
         else:
@@ -202,7 +223,9 @@ class StepRunner:
             grads = self.transport.recv_grad(s, m)
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
-            with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
+            _check_untouched(task.versions, _versions(task.inputs), task.inputs, s, m,
+                             "between its checkpointed forward and the recompute")
+            with recomputing(), self.state.caller.enter(grad_enabled=True), task.rng():
                 task.outputs = self._run_module(s, m, task.inputs)
         if s == self.last and self.loss is not None:
             loss = task.outputs
@@ -434,6 +457,24 @@ class LocalRuntime:
 def _on_device(device: torch.device) -> Any:
     """Make ``device`` current in this thread, so a stage's new CUDA tensors land on it."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _versions(value: Value) -> list[int]:
+    return [t._version for t in tensors_of(value)]
+
+
+def _check_untouched(before: list[int] | None, after: list[int], inputs: Value, s: int, m: int, when: str) -> None:
+    """Refuse to replay a forward whose inputs were written in place since it ran."""
+    if before is None or before == after:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+    what = "the input" if isinstance(inputs, Tensor) else f"tensor {i} of the input tuple"
+    raise RuntimeError(
+        f"fastpipe: {what} of stage {s} (micro-batch {m}) was written in place {when}, so recomputing that "
+        "forward for the backward would not see the values the forward saw (and would apply the write twice). "
+        "Write into a copy in the stage (e.g. `x = x.clone()` before `x.add_(...)`, or an out-of-place op), "
+        "or pass checkpoint='never'."
+    )
 
 
 def _differentiable(t: Tensor) -> bool:

@@ -1,0 +1,310 @@
+"""Recomputation replays exactly what the forward did: every random op, and no input write twice.
+
+The property: a checkpointed run equals a non-checkpointed one bit for bit, and both equal
+the plain model run micro-batch by micro-batch with each task's seed (tests/_seeded_reference).
+"""
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _seeded_reference import seeded_forward, step_seed_after
+from torch import nn
+
+import fastpipe.runtime.local as local_runtime
+from fastpipe import Pipe
+from fastpipe.kernels import Dropout as FusedDropout
+from fastpipe.rng import TaskRNG, may_draw, register_deterministic, register_random_op, task_seed
+
+DIM = 8
+
+
+class SDPA(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention with dropout on the weights."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.qkv, self.p = nn.Linear(DIM, 3 * DIM), p
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, DIM // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+        return y.transpose(1, 2).reshape(n, t, DIM)
+
+
+class MHA(nn.Module):
+    def __init__(self, need_weights):
+        super().__init__()
+        self.attn, self.need_weights = nn.MultiheadAttention(DIM, 2, dropout=0.5, batch_first=True), need_weights
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=self.need_weights)[0]
+
+
+class FunctionalDropout(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.3, self.training)
+
+
+class LSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(DIM, DIM, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+LAYERS = {
+    "sdpa": lambda: SDPA(),
+    "mha_weights": lambda: MHA(need_weights=True),
+    "mha_sdpa": lambda: MHA(need_weights=False),
+    "mha_layer": lambda: nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.5, batch_first=True),
+    "f_dropout": lambda: FunctionalDropout(),
+    "nn_dropout": lambda: nn.Dropout(0.4),
+    "fused_dropout": lambda: FusedDropout(0.4),
+    "lstm": lambda: LSTM(),
+}
+
+
+def model(kind):
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(DIM, DIM), LAYERS[kind](), nn.Linear(DIM, DIM), LAYERS[kind](), nn.Tanh())
+
+
+def run(net, checkpoint, seed=7, chunks=3, balance=(2, 3), x=None):
+    pipe = Pipe(net, balance=list(balance), chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(6, 4, DIM) if x is None else x
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = pipe(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in pipe.parameters()]
+
+
+def assert_equal_runs(a, b, what, exact=True):
+    # ``exact=False``: the arithmetic differs between the runs (CPU RNNs take a oneDNN kernel
+    # without grad, ATen's with), so float64 and a bound far below what a wrong mask moves.
+    def same(x, y, msg):
+        if exact:
+            assert torch.equal(x, y), msg
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=msg)
+
+    same(a[0], b[0], f"{what}: outputs differ")
+    same(a[1], b[1], f"{what}: input gradients differ")
+    for i, (p, q) in enumerate(zip(a[2], b[2])):
+        same(p, q, f"{what}: gradient of parameter {i} differs")
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_checkpointed_equals_not_checkpointed_bit_for_bit(kind):
+    exact = kind != "lstm"
+    dtype = torch.float32 if exact else torch.float64
+    x = torch.randn(6, 4, DIM, dtype=dtype)
+    never = run(model(kind).to(dtype), "never", x=x)
+    for mode in ("always", "except_last"):
+        assert_equal_runs(never, run(model(kind).to(dtype), mode, x=x), f"{kind}, checkpoint={mode}", exact)
+    # ...and the dropout really draws: another step seed gives other numbers.
+    assert not torch.allclose(never[0], run(model(kind).to(dtype), "never", seed=8, x=x)[0])
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "mha_sdpa", "mha_layer", "nn_dropout", "fused_dropout"])
+def test_pipe_equals_plain_model_with_task_seeds(kind):
+    net, x = model(kind), torch.randn(7, 4, DIM)
+    ref = copy.deepcopy(net)
+    pipe = Pipe(net, balance=[2, 3], chunks=3, checkpoint="except_last")
+    torch.manual_seed(11)
+    out = pipe(x)
+    expected = torch.cat(seeded_forward(ref, [2, 3], x, 3, step_seed_after(11)))
+    assert torch.equal(out, expected)
+
+
+def test_default_generators_are_left_alone():
+    # The caller's generator moves by one draw per step (the step seed), nothing more.
+    pipe = Pipe(model("sdpa"), balance=[2, 3], chunks=3)
+    torch.manual_seed(5)
+    pipe(torch.randn(6, 4, DIM)).sum().backward()
+    after = torch.rand(4)
+    torch.manual_seed(5)
+    torch.randn(6, 4, DIM)
+    torch.empty((), dtype=torch.int64).random_(0, 1 << 62)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_concurrent_cpu_stages_draw_from_their_own_streams():
+    # Two CPU workers draw from torch's one CPU generator at the same time; each task must
+    # still see only its own stream, whatever the interleaving. Many draws per task make
+    # interleavings likely; every run must equal the first.
+    class Noisy(nn.Module):
+        def forward(self, x):
+            for _ in range(20):
+                x = F.scaled_dot_product_attention(x, x, x, dropout_p=0.2) + torch.rand_like(x)
+            return x
+
+    def once():
+        torch.manual_seed(3)
+        pipe = Pipe(nn.Sequential(Noisy(), Noisy()), balance=[1, 1], chunks=6, checkpoint="except_last")
+        x = torch.randn(12, 2, 4, 4, requires_grad=True)
+        out = pipe(x)
+        out.sum().backward()
+        return out.detach(), x.grad
+
+    first = once()
+    for _ in range(4):
+        again = once()
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_random_ops_replay_under_task_rng_across_threads():
+    # The same task seed replays SDPA's dropout in another thread while a third thread draws.
+    x = torch.randn(2, 2, 8, 4)
+    results = {}
+    stop = threading.Event()
+
+    def disturb():
+        while not stop.is_set():
+            torch.rand(64)
+
+    def task(name):
+        with TaskRNG(task_seed(1, 2, 3)):
+            results[name] = F.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+
+    noise = threading.Thread(target=disturb)
+    noise.start()
+    try:
+        threads = [threading.Thread(target=task, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        noise.join()
+    assert all(torch.equal(results[0], results[i]) for i in range(1, 4))
+
+
+def test_stage_without_random_layers_runs_without_the_mode(monkeypatch):
+    made = []
+
+    class Counting(TaskRNG):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(local_runtime, "TaskRNG", Counting)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.LayerNorm(4))
+    Pipe(plain, balance=[2, 2], chunks=2)(torch.randn(4, 4)).sum().backward()
+    assert not made
+    Pipe(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), balance=[1, 1], chunks=2)(torch.randn(4, 4))
+    assert len(made) == 2  # only the dropout stage's two tasks
+
+
+def test_may_draw():
+    assert not may_draw(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Conv1d(2, 2, 1), nn.Embedding(3, 2)))
+    assert may_draw(nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
+    assert not may_draw(nn.Sequential(nn.Linear(2, 2), nn.Dropout()).eval())
+    assert may_draw(nn.FractionalMaxPool2d(2, output_size=1).eval())
+    assert may_draw(FunctionalDropout())  # custom forward: cannot see through it
+    assert may_draw(nn.Linear(2, 2), lambda out, t: out.sum())
+    assert not may_draw(nn.Linear(2, 2), F.mse_loss)
+    assert not may_draw(nn.Linear(2, 2), nn.MSELoss())
+    hooked = nn.Linear(2, 2)
+    handle = hooked.register_forward_hook(lambda *a: None)
+    assert may_draw(hooked)
+    handle.remove()
+    assert not may_draw(hooked)
+
+    class Quiet(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    assert may_draw(Quiet())
+    register_deterministic(Quiet)
+    assert not may_draw(Quiet())
+
+
+def test_unrouted_draw_warns_and_registering_routes_it():
+    op = torch.ops.aten.bernoulli.p  # an op the task RNG does not know, drawing from the default generator
+
+    class Raw(nn.Module):
+        def forward(self, x):
+            return x * op(torch.full_like(x, 0.5), 0.5)
+
+    def once(checkpoint):
+        torch.manual_seed(2)
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Raw()), balance=[1, 1], chunks=2, checkpoint=checkpoint)
+        x = torch.randn(4, 4)
+        out = pipe(x)
+        out.sum().backward()
+        return out.detach(), [p.grad.clone() for p in pipe.parameters()]
+
+    with pytest.warns(RuntimeWarning, match="register_random_op"):
+        once("always")
+    register_random_op(op)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            never = once("never")
+            always = once("always")
+        assert torch.equal(never[0], always[0])
+        for a, b in zip(never[1], always[1]):
+            assert torch.equal(a, b)
+    finally:
+        from fastpipe.rng import RANDOM_OPS
+        RANDOM_OPS.discard(op)
+
+
+# -- in-place writes to a stage input that needs no gradient ----------------------------
+
+
+class WritesIntoInput(nn.Module):
+    def forward(self, inp):
+        foo, bar = inp
+        bar.add_(1)
+        return foo * bar
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_inplace_write_to_input_under_checkpoint_is_refused(checkpoint):
+    pipe = Pipe(nn.Sequential(nn.Identity(), WritesIntoInput()), balance=[1, 1], chunks=2, checkpoint=checkpoint)
+    foo, bar = torch.ones(2, 2, requires_grad=True), torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match=r"tensor 1 of the input tuple of stage 1 .* written in place.*clone"):
+        pipe((foo, bar))
+
+
+def test_inplace_write_to_input_without_checkpoint_equals_plain():
+    # One micro-batch: with several, they are views of the caller's tensor sharing its version
+    # counter, and autograd itself refuses the second write (as it would for the plain model
+    # fed the same views).
+    net = nn.Sequential(nn.Identity(), WritesIntoInput())
+    pipe = Pipe(copy.deepcopy(net), balance=[1, 1], chunks=1, checkpoint="never")
+    foo, bar = torch.ones(2, 2, requires_grad=True), torch.ones(2, 2)
+    pipe((foo, bar)).sum().backward()
+    assert torch.equal(bar, torch.full((2, 2), 2.0))  # written once, as by the plain model
+    assert torch.equal(foo.grad, torch.full((2, 2), 2.0))
+
+
+def test_input_changed_between_forward_and_recompute_is_refused():
+    # The caller writes into its input after the forward: the recompute would see other values.
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), balance=[1, 1], chunks=2, checkpoint="always")
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match="between its checkpointed forward and the recompute"):
+        out.sum().backward()
+
+
+def test_inplace_first_layer_still_works_under_checkpoint():
+    # A first layer working in place gets a copy (clone_input): nothing to refuse there.
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4))
+    ref = copy.deepcopy(net)
+    pipe = Pipe(net, balance=[1, 2], chunks=2, checkpoint="always")
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+    out.sum().backward()
