@@ -308,3 +308,39 @@ def test_inplace_first_layer_still_works_under_checkpoint():
     out = pipe(x)
     torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
     out.sum().backward()
+
+
+# -- side effects of a replayed forward ------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_batchnorm_running_statistics_are_updated_once(checkpoint):
+    # The recompute must not update BatchNorm's running statistics a second time.
+    def buffers(mode):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+        pipe = Pipe(net, balance=[2, 2], chunks=3, checkpoint=mode)
+        pipe(torch.randn(9, 4)).sum().backward()
+        return {n: b.clone() for n, b in pipe.named_buffers()}
+
+    never, other = buffers("never"), buffers(checkpoint)
+    for name, b in never.items():
+        assert torch.equal(b, other[name]), name
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_inplace_layer_behind_a_view_at_a_stage_start(checkpoint):
+    # Flatten returns a view of the stage input; the in-place ReLU after it writes into the
+    # input, so the stage must get a copy, as when the in-place layer comes first.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    ref = copy.deepcopy(net)
+    pipe = Pipe(net, balance=[1, 3], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    expected = torch.cat([ref(mb) for mb in x.chunk(2)])
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)

@@ -35,6 +35,7 @@ from fastpipe.rng import TaskRNG, may_draw, task_seed
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.param_hooks import hooks_set_aside
+from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.transport import LocalTransport, Transport
 from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
@@ -76,7 +77,7 @@ class _Task:
     inputs: Value  # the stage's input leaves
     outputs: Value | None  # graph-attached outputs; None when checkpointed
     rng: Callable[[], Any]  # enters the task's RNG (the same streams again for a recompute)
-    versions: list[int] | None = None  # of the inputs after a checkpointed forward, to check before its replay
+    snapshot: Snapshot | None = None  # of a checkpointed forward, for its recompute
     weight_work: WeightWork | None = None  # set by B, consumed by W
 
 
@@ -148,8 +149,17 @@ class StepRunner:
         # Only a combined backward (BW) swaps the running sums into .grad, which the fused
         # Linear backward writes; a split one (B/W) needs the weight gradient returned.
         fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
-        with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
-            out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        try:
+            with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
+                out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad is being used in an in-place" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"fastpipe: stage {s} writes in place into its input, which it receives as a leaf that "
+                "requires grad; autograd refuses that. Write into a copy in the stage (e.g. `x = x.clone()` "
+                "first), or make the in-place layer the stage's first one (the stage then gets a copy)."
+            ) from exc
         _check_output(out, s)
         if s == self.last and self.loss is not None:
             loss = self.loss.fn(out, self.loss.targets[m])
@@ -182,16 +192,14 @@ class StepRunner:
         started = time.perf_counter()
         rng = self._task_rng(s, m)
         keep_graph = self.grad and not self.checkpoint(m)
-        replayed = self.grad and not keep_graph
-        before = _versions(inputs) if replayed else None
+        replayed = self.grad and not keep_graph  # recomputed in the backward
+        snapshot = Snapshot(self.stages[s].module, inputs) if replayed else None
         with self.state.caller.enter(grad_enabled=keep_graph), rng():
             out = self._run_module(s, m, inputs)
+        if snapshot is not None:
+            snapshot.seal(s, m)
         if self.grad:
-            task = _Task(inputs, out if keep_graph else None, rng)
-            if replayed:
-                task.versions = _versions(inputs)
-                _check_untouched(before, task.versions, inputs, s, m, "during its checkpointed forward")
-            self.state.tasks[(s, m)] = task
+            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, rng, snapshot)
         if s == self.last:
             self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
         else:
@@ -223,10 +231,7 @@ class StepRunner:
             grads = self.transport.recv_grad(s, m)
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
-            _check_untouched(task.versions, _versions(task.inputs), task.inputs, s, m,
-                             "between its checkpointed forward and the recompute")
-            with recomputing(), self.state.caller.enter(grad_enabled=True), task.rng():
-                task.outputs = self._run_module(s, m, task.inputs)
+            task.outputs = self._replay(s, m, task)
         if s == self.last and self.loss is not None:
             loss = task.outputs
             assert isinstance(loss, Tensor)
@@ -234,6 +239,13 @@ class StepRunner:
         pairs = [(o, g) for o, g in zip(tensors_of(task.outputs), grads) if g is not None and o.requires_grad]
         leaves = [t for t in tensors_of(task.inputs) if t.requires_grad]
         return task, pairs, leaves, started
+
+    def _replay(self, s: int, m: int, task: _Task) -> Value:
+        """Recompute a checkpointed forward exactly: the same inputs, the same random streams,
+        and no side effect applied twice (see fastpipe.runtime.replay)."""
+        assert task.snapshot is not None
+        with task.snapshot.replaying(s, m), recomputing(), self.state.caller.enter(grad_enabled=True), task.rng():
+            return self._run_module(s, m, task.inputs)
 
     def _send_input_grads(self, s: int, m: int, inputs: Value, leaf_grads: Sequence[Tensor | None]) -> None:
         it = iter(leaf_grads)
@@ -457,24 +469,6 @@ class LocalRuntime:
 def _on_device(device: torch.device) -> Any:
     """Make ``device`` current in this thread, so a stage's new CUDA tensors land on it."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _versions(value: Value) -> list[int]:
-    return [t._version for t in tensors_of(value)]
-
-
-def _check_untouched(before: list[int] | None, after: list[int], inputs: Value, s: int, m: int, when: str) -> None:
-    """Refuse to replay a forward whose inputs were written in place since it ran."""
-    if before is None or before == after:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
-    what = "the input" if isinstance(inputs, Tensor) else f"tensor {i} of the input tuple"
-    raise RuntimeError(
-        f"fastpipe: {what} of stage {s} (micro-batch {m}) was written in place {when}, so recomputing that "
-        "forward for the backward would not see the values the forward saw (and would apply the write twice). "
-        "Write into a copy in the stage (e.g. `x = x.clone()` before `x.add_(...)`, or an out-of-place op), "
-        "or pass checkpoint='never'."
-    )
 
 
 def _differentiable(t: Tensor) -> bool:
