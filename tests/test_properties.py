@@ -336,7 +336,7 @@ def dist_specs() -> st.SearchStrategy[list[dict[str, Any]]]:
     return st.lists(specs(max_stages=4).filter(fits).filter(works), min_size=3, max_size=3)
 
 
-# Each example spawns the ranks once and runs 4 models there; no shrinking (each try spawns).
+# Each example spawns the ranks once and runs 3 models there; no shrinking (each try spawns).
 @settings(max_examples=2, phases=(Phase.explicit, Phase.generate), **PROFILE)
 @given(runs=dist_specs())
 def test_distributed_train_step_equals_plain(runs):
