@@ -420,3 +420,14 @@ def test_gpu_pipe_forward_backward_replays_attention_dropout():
         torch.testing.assert_close(other[0], never[0], rtol=1e-6, atol=1e-7)
         for a, b in zip(other[2], never[2]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_inplace_write_into_a_received_activation_says_what_to_change():
+    # Without checkpointing too: stage 1 gets its input as an autograd leaf.
+    class AddsOne(nn.Module):
+        def forward(self, x):
+            return x.add_(1)
+
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), AddsOne()), balance=[2, 1], chunks=2, checkpoint="never")
+    with pytest.raises(RuntimeError, match=r"stage 1 writes in place into its input.*clone"):
+        pipe(torch.randn(4, 4))
