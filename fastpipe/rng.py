@@ -66,6 +66,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -175,9 +176,7 @@ def may_draw(module: nn.Module, extra: Callable[..., Any] | None = None) -> bool
     :func:`register_deterministic`), no hooks are set, and ``extra`` is None, such a
     module, or a function of ``torch.nn.functional`` that does not draw.
     """
-    from torch.nn.modules import module as module_globals
-
-    if (module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks):
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return True
     if any(_module_may_draw(m) for m in module.modules()):
         return True

@@ -431,3 +431,17 @@ def test_inplace_write_into_a_received_activation_says_what_to_change():
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), AddsOne()), balance=[2, 1], chunks=2, checkpoint="never")
     with pytest.raises(RuntimeError, match=r"stage 1 writes in place into its input.*clone"):
         pipe(torch.randn(4, 4))
+
+
+def test_current_generator_follows_the_task_stream():
+    from fastpipe.rng import current_generator
+
+    def draw(seed):
+        with TaskRNG(seed):
+            return torch.randn(3, generator=current_generator()), torch.randn(3, generator=current_generator())
+
+    a, b = draw(4), draw(4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], a[1])  # each call moves the stream on
+    assert not torch.equal(a[0], draw(5)[0])
+    assert current_generator() is torch.default_generator  # outside a task
