@@ -227,8 +227,15 @@ def _normal(device: Any) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
+_CPU = torch.device("cpu")
+_ONLY_CPU = [_CPU]
+
+
 def _devices_of(args: tuple, kwargs: dict) -> list[torch.device]:
     """The devices whose default generator a call may draw on: CPU, or its CUDA devices."""
+    if "device" not in kwargs and args and isinstance(args[0], Tensor) and args[0].device.type == "cpu" \
+            and not any(isinstance(a, Tensor) and a.device.type != "cpu" for a in (*args[1:], *kwargs.values())):
+        return _ONLY_CPU  # the common case (dropout on a CPU tensor), without building devices
     found: set[torch.device] = set()
     dev = kwargs.get("device")
     if dev is not None:
