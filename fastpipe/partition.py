@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -219,11 +219,23 @@ def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, 
 
 
 def first_layer_in_place(stage: nn.Sequential) -> bool:
-    """Whether the stage's first leaf layer writes into its input (e.g. ``ReLU(inplace=True)``)."""
-    layer: nn.Module = stage
-    while isinstance(layer, nn.Sequential) and len(layer) > 0:
-        layer = layer[0]
-    return bool(getattr(layer, "inplace", False))
+    """Whether the stage's first leaf layer writes into its input (e.g. ``ReLU(inplace=True)``).
+
+    Leading layers that return a view of their input (``Flatten``, ``Unflatten``,
+    ``Identity``) are looked through: a write into their output lands in the input.
+    """
+    for layer in _leaves(stage):
+        if type(layer) not in (nn.Flatten, nn.Unflatten, nn.Identity):
+            return bool(getattr(layer, "inplace", False))
+    return False
+
+
+def _leaves(module: nn.Module) -> Iterator[nn.Module]:
+    if isinstance(module, nn.Sequential):
+        for child in module:
+            yield from _leaves(child)
+    else:
+        yield module
 
 
 def check_input(input: Value) -> None:

@@ -318,20 +318,20 @@ class DistributedRuntime:
     # -- the loss ------------------------------------------------------------------
 
     def _share_loss(self, runner: StepRunner, loss: LossSpec) -> StepOutcome:
-        buf = torch.zeros(2, dtype=torch.float64)
+        buf = torch.zeros(3, dtype=torch.float64)  # loss, 1 + first non-finite micro-batch, loss dtype
         if self.rank == self.last_rank:
             losses: list[Tensor] = [runner.results[m] for m in range(len(loss.weights))]  # type: ignore[misc]
             total = torch.stack([w * value for w, value in zip(loss.weights, losses)]).sum()
             bad = [m for m, value in enumerate(losses) if not torch.isfinite(value).all()]
             buf[0] = total.double()
             buf[1] = bad[0] + 1 if bad else 0
-            dtype = total.dtype
-        else:
-            dtype = torch.get_default_dtype()
+            buf[2] = _LOSS_DTYPES.index(total.dtype) if total.dtype in _LOSS_DTYPES else -1
         buf = buf.to(self.comm_device)
         work = dist.broadcast(buf, src=self._global(self.last_rank), group=self.group, async_op=True)
         self._collective(work, "the step's loss")
         buf = buf.cpu()
+        # Every rank returns the loss in the last stage's dtype (a float64 model's loss is not rounded).
+        dtype = _LOSS_DTYPES[int(buf[2])] if buf[2] >= 0 else torch.get_default_dtype()
         nonfinite = f"micro-batch {int(buf[1]) - 1}" if buf[1] > 0 else None
         if self.dp_group is not None:
             flags = torch.stack([buf[0], (buf[1] > 0).double()]).to(self.comm_device)
@@ -346,6 +346,9 @@ class DistributedRuntime:
     def close(self) -> None:
         """Drop pending state; the process groups stay the caller's to destroy."""
         self.transport.close()
+
+
+_LOSS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _where(action: Action | None, ahead: Sequence[Action], step: int) -> str:

@@ -40,11 +40,12 @@ from torch import Tensor, nn
 
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
-from fastpipe.rng import TaskRNG, task_seed
+from fastpipe.rng import TaskRNG, may_draw, task_seed
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
 from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.param_hooks import hooks_set_aside
+from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.transport import LocalTransport, Transport
 from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
@@ -85,7 +86,8 @@ class _Task:
 
     inputs: Value  # the stage's input leaves
     outputs: Value | None  # graph-attached outputs; None when checkpointed
-    seed: int
+    rng: Callable[[], Any]  # enters the task's RNG (the same streams again for a recompute)
+    snapshot: Snapshot | None = None  # of a checkpointed forward, for its recompute
     weight_work: WeightWork | None = None  # set by B, consumed by W
 
 
@@ -169,8 +171,17 @@ class StepRunner:
         # Only a combined backward (BW) swaps the running sums into .grad, which the fused
         # Linear backward writes; a split one (B/W) needs the weight gradient returned.
         fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
-        with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
-            out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        try:
+            with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
+                out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad is being used in an in-place" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"fastpipe: stage {s} writes in place into its input, which it receives as a leaf that "
+                "requires grad; autograd refuses that. Write into a copy in the stage (e.g. `x = x.clone()` "
+                "first), or make the in-place layer the stage's first one (the stage then gets a copy)."
+            ) from exc
         _check_output(out, s)
         if s == self.last and self.loss is not None:
             loss = self.loss.fn(out, self.loss.targets[m])
@@ -183,16 +194,34 @@ class StepRunner:
             return loss.reshape(())
         return out
 
+    def _task_rng(self, s: int, m: int) -> Callable[[], Any]:
+        """What to enter around task (s, m) so that its random ops draw from its own streams.
+
+        Stages that cannot draw skip :class:`TaskRNG`, whose per-op interception costs host
+        time (see fastpipe.rng); the choice is kept with the task, so a recompute replays it.
+        """
+        stage = self.stages[s]
+        loss = self.loss.fn if s == self.last and self.loss is not None else None
+        if not may_draw(stage.module, loss):
+            return contextlib.nullcontext
+        seed = task_seed(self.state.step_seed, s, m)
+        watch = {torch.device("cpu"), stage.device}
+        return lambda: TaskRNG(seed, watch)
+
     def forward(self, action: Action) -> float:
         s, m = action.stage, action.microbatch
         inputs = self.transport.recv_activation(s, m)
         started = time.perf_counter()
-        seed = task_seed(self.state.step_seed, s, m)
+        rng = self._task_rng(s, m)
         keep_graph = self.grad and not self.checkpoint(m)
-        with self.state.caller.enter(grad_enabled=keep_graph), TaskRNG(seed):
+        replayed = self.grad and not keep_graph  # recomputed in the backward
+        snapshot = Snapshot(self.stages[s].module, inputs) if replayed else None
+        with self.state.caller.enter(grad_enabled=keep_graph), rng():
             out = self._run_module(s, m, inputs)
+        if snapshot is not None:
+            snapshot.seal(s, m)
         if self.grad:
-            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, seed)
+            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, rng, snapshot)
         if s == self.last:
             self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
         else:
@@ -224,8 +253,7 @@ class StepRunner:
             grads = self.transport.recv_grad(s, m)
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
-            with recomputing(), self.state.caller.enter(grad_enabled=True), TaskRNG(task.seed):
-                task.outputs = self._run_module(s, m, task.inputs)
+            task.outputs = self._replay(s, m, task)
         if s == self.last and self.loss is not None:
             loss = task.outputs
             assert isinstance(loss, Tensor)
@@ -233,6 +261,13 @@ class StepRunner:
         pairs = [(o, g) for o, g in zip(tensors_of(task.outputs), grads) if g is not None and o.requires_grad]
         leaves = [t for t in tensors_of(task.inputs) if t.requires_grad]
         return task, pairs, leaves, started
+
+    def _replay(self, s: int, m: int, task: _Task) -> Value:
+        """Recompute a checkpointed forward exactly: the same inputs, the same random streams,
+        and no side effect applied twice (see fastpipe.runtime.replay)."""
+        assert task.snapshot is not None
+        with task.snapshot.replaying(s, m), recomputing(), self.state.caller.enter(grad_enabled=True), task.rng():
+            return self._run_module(s, m, task.inputs)
 
     def _send_input_grads(self, s: int, m: int, inputs: Value, leaf_grads: Sequence[Tensor | None]) -> None:
         it = iter(leaf_grads)
