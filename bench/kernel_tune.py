@@ -15,6 +15,20 @@ everything.
 
 ``--smoke`` runs tiny shapes on CPU (with ``TRITON_INTERPRET=1``: the Triton kernels) to check the
 script itself; its times mean nothing.
+
+On the GPU host (offline) the Liger-Kernel column needs its wheel carried in ``.whl/`` (git-ignored).
+Fetch it here first (it needs only torch and triton, both on the host)::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
+
+then one device ``run`` with ``carry: [".whl"]`` and ``timeout_s: 420``::
+
+    export PYTHONUNBUFFERED=1; set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1;
+    python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || exit 1;
+    timeout 120 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25;
+    timeout 240 python3 bench/kernel_tune.py --budget 200 --json $OUT/kernel_tune.json 2>&1 | tee $OUT/kernel_tune.log
 """
 
 from __future__ import annotations
