@@ -94,3 +94,23 @@ def test_a_stage_without_a_stream_sees_the_default_generator():
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Probe()), balance=[1, 1], chunks=2)
     pipe(torch.randn(4, 4, requires_grad=True)).sum().backward()
     assert seen and all(task is None and same for task, same in seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_inner_checkpoint_on_a_shared_gpu(mode):
+    # Two stages on cuda:0: Pipe.forward's backward runs them on the device thread, where
+    # the runner makes each task current; the CUDA stream state is the task's, not cuda:0's.
+    def grads(inner):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(inner, False), Block(inner, False))
+        pipe = Pipe(model, balance=[1, 1], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint=mode)
+        torch.manual_seed(1)
+        x = torch.randn(8, 8, device="cuda:0", requires_grad=True)
+        out = pipe(x)
+        out.square().sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in pipe.parameters())]
+
+    want, got = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert (want[0] == 0).any()
