@@ -48,6 +48,11 @@ draw (Linear, Conv, norms, activations, Embedding…; dropout-like layers only i
 no hooks, runs without the mode and pays nothing. Anything fastpipe cannot see through
 (a custom module's ``forward``, a hook, a loss given as a plain function) gets the mode.
 
+**torch.utils.checkpoint inside a stage** saves and restores the random state through
+``torch.get_rng_state``/``set_rng_state``/``fork_rng`` (and ``torch.cuda``'s): in a thread
+running a task with a stream (:func:`current_task`) those address the task's streams, so
+its recompute replays the task's draws (:mod:`fastpipe.rng_state`; torch's own elsewhere).
+
 Limits: a random op that is none of :data:`RANDOM_OPS` (a custom CUDA extension drawing
 from the default generator, say) is not routed; :class:`TaskRNG` notices that the default
 generator moved during the task and warns (register the op, or pass it a generator from
@@ -71,7 +76,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "draw_step_seed", "task_seed", "TaskRNG", "RANDOM_OPS", "register_random_op", "register_deterministic",
-    "may_draw", "current_generator",
+    "may_draw", "current_generator", "current_task",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -250,6 +255,20 @@ def _devices_of(args: tuple, kwargs: dict) -> list[torch.device]:
     return sorted(found, key=lambda d: (d.type != "cpu", d.index or 0))
 
 
+_current = threading.local()
+
+
+def current_task() -> TaskRNG | None:
+    """The task whose streams this thread draws from, or None outside a task."""
+    return getattr(_current, "task", None)
+
+
+def _set_current(task: TaskRNG | None) -> TaskRNG | None:
+    outer = current_task()
+    _current.task = task
+    return outer
+
+
 class TaskRNG(TorchFunctionMode):
     """Routes the random calls of one task to the task's own streams, seeded with ``seed``.
 
@@ -270,13 +289,16 @@ class TaskRNG(TorchFunctionMode):
         self._states: dict[torch.device, Tensor] = {}
         self._watch = sorted({_normal(d) for d in watch}, key=lambda d: (d.type != "cpu", d.index or 0))
         self._watched: list[Tensor] = []
+        self._outer: TaskRNG | None = None
 
     def __enter__(self) -> TaskRNG:
         self._watched = [self._parked(d) for d in self._watch]
+        self._outer = _set_current(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        _set_current(self._outer)
         if exc[0] is None:
             for device, before in zip(self._watch, self._watched):
                 if not torch.equal(before, self._parked(device)):
@@ -287,6 +309,16 @@ class TaskRNG(TorchFunctionMode):
                         "fastpipe.rng.register_random_op, or pass it generator=fastpipe.rng.current_generator().",
                         RuntimeWarning, stacklevel=2,
                     )
+
+    @contextlib.contextmanager
+    def streams_only(self) -> Iterator[TaskRNG]:
+        """Make this the thread's current task without routing its ops (a stage's backward,
+        where a torch.utils.checkpoint recompute finds it: see :mod:`fastpipe.rng_state`)."""
+        outer = _set_current(self)
+        try:
+            yield self
+        finally:
+            _set_current(outer)
 
     @staticmethod
     def _parked(device: torch.device) -> Tensor:
@@ -316,6 +348,18 @@ class TaskRNG(TorchFunctionMode):
         finally:
             for lock in reversed(locks):
                 lock.release()
+
+    def get_state(self, device: Any = "cpu") -> Tensor:
+        """This task's stream state on ``device`` (what its next draw there starts from)."""
+        device = _normal(device)
+        with self.drawing([device]):
+            return _get_state(device)
+
+    def set_state(self, state: Tensor, device: Any = "cpu") -> None:
+        """Move this task's stream on ``device`` to ``state`` (one :meth:`get_state` gave)."""
+        device = _normal(device)
+        with self.drawing([device]):
+            _set_state(device, state)
 
     def generator(self, device: Any = "cpu") -> torch.Generator:
         """A fresh generator at this task's current position on ``device``, for an op that

@@ -447,8 +447,6 @@ def test_current_generator_follows_the_task_stream():
     assert current_generator() is torch.default_generator  # outside a task
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: torch.utils.checkpoint inside a stage restores torch's default "
-                   "generator for its recompute, not the task's stream, so dropout inside its region is not replayed")
 def test_torch_utils_checkpoint_inside_a_stage_replays_dropout():
     from torch.utils.checkpoint import checkpoint
 

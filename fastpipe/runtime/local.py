@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, may_draw, task_seed
+from fastpipe.rng_state import install as install_task_rng_state
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
 from fastpipe.runtime.mailbox import Aborted
@@ -307,7 +308,7 @@ class StepRunner:
                 # Linears stay routed as in this micro-batch's forward, so that a recompute
                 # inside the backward (torch.utils.checkpoint in the model) saves what the
                 # forward saved; hooks see the step's sum (see param_hooks).
-                with accumulating_linears(self.stages[s].linears), hooks_set_aside(params):
+                with accumulating_linears(self.stages[s].linears), hooks_set_aside(params), _streams(task):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
                                             inputs=[*leaves, *params])
                 acc[:] = [p.grad for p in params]
@@ -323,9 +324,10 @@ class StepRunner:
         """B: input gradients now; what the weights need is kept for W."""
         s, m = action.stage, action.microbatch
         task, pairs, leaves, started = self._prepare_backward(s, m)
-        leaf_grads, task.weight_work = backward_inputs(
-            [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
-        )
+        with _streams(task):
+            leaf_grads, task.weight_work = backward_inputs(
+                [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
+            )
         task.outputs = None
         self._send_input_grads(s, m, task.inputs, leaf_grads)
         return started
@@ -336,7 +338,7 @@ class StepRunner:
         started = time.perf_counter()
         task = self.state.tasks.pop((s, m))
         assert task.weight_work is not None, f"W before B for {action}"
-        with hooks_set_aside(self.stages[s].params):
+        with hooks_set_aside(self.stages[s].params), _streams(task):
             self._accumulate(s, backward_weights(task.weight_work))
         return started
 
@@ -509,6 +511,17 @@ class LocalRuntime:
             except BaseException as exc:  # noqa: BLE001 - reported like a worker's, re-raised by wait()
                 running.report(exc)
         running.wait()
+
+
+install_task_rng_state()
+
+
+def _streams(task: _Task) -> Any:
+    """The task's streams, current but not routing, around its backward: a
+    torch.utils.checkpoint recompute in there restores and draws from them (see
+    fastpipe.rng_state), while the backward's own ops pay no interception."""
+    rng = task.rng()
+    return rng.streams_only() if isinstance(rng, TaskRNG) else contextlib.nullcontext()
 
 
 def _differentiable(t: Tensor) -> bool:
