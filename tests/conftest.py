@@ -116,3 +116,18 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     else:
         monkeypatch.delenv("FASTPIPE_P2P", raising=False)
     return str(request.param)
+
+
+@pytest.fixture
+def autograd_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the threads that call torch.autograd.grad/backward during the test."""
+    names: list[str] = []
+    for fn in ("grad", "backward"):
+        real = getattr(torch.autograd, fn)
+
+        def spy(*args, _real=real, **kwargs):
+            names.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd, fn, spy)
+    return names

@@ -31,21 +31,6 @@ def model(p=0.0):
 BALANCE = {2: [4, 5], 3: [3, 3, 3]}
 
 
-@pytest.fixture
-def autograd_threads(monkeypatch):
-    """Names of the threads that call torch.autograd.grad/backward during the test."""
-    names = []
-    for fn in ("grad", "backward"):
-        real = getattr(torch.autograd, fn)
-
-        def spy(*args, _real=real, **kwargs):
-            names.append(threading.current_thread().name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, fn, spy)
-    return names
-
-
 def run(net, stages, checkpoint, simulate, monkeypatch, x, balance=None, **kwargs):
     if simulate is None:
         monkeypatch.delenv(inline.SIMULATE_ENV, raising=False)

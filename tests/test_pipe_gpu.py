@@ -88,26 +88,15 @@ def accumulate_plain(ref, x, chunks, loss_fn):
 
 @pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"],
                                      ["cuda:0", "cpu", "cuda:0"], ["cpu", "cuda:0", "cpu"]])
-def test_gpu_stages_backward_on_the_device_thread(devices, monkeypatch):
+def test_gpu_stages_backward_on_the_device_thread(devices, autograd_threads):
     # No stage worker may call autograd for a CUDA stage when the node runs on the
     # device thread (the grad arrives on CUDA): that is what deadlocked.
-    names = []
-    for fn in ("grad", "backward"):
-        real = getattr(torch.autograd, fn)
-
-        def spy(*args, _real=real, **kwargs):
-            import threading
-
-            names.append(threading.current_thread().name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, fn, spy)
     balance = [2, 2, 2] if len(devices) == 3 else [3, 3]
     pipe = Pipe(model(p=0.0), balance=balance, devices=devices, chunks=4)
     out = pipe(torch.randn(16, 32, device=devices[0]))
     out.float().square().sum().backward()
     torch.cuda.synchronize()
-    workers = {n for n in names if n.startswith("fastpipe-worker-")}
+    workers = {n for n in autograd_threads if n.startswith("fastpipe-worker-")}
     if devices[-1].startswith("cuda"):
         assert workers == {f"fastpipe-worker-{s}" for s, d in enumerate(devices) if d == "cpu"}
     assert all(p.grad is not None for p in pipe.parameters())
