@@ -22,7 +22,8 @@ are polled while the abort key is watched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,8 @@ class P2PTransport(Transport):
         if header is None:
             header = self._headers[key] = torch.empty(HEADER, dtype=torch.uint8, device=self.device)
         src = self._global(self.owner(src_stage))
-        work = dist.irecv(header, src=src, group=self.group, tag=self._tag(kind, stage, microbatch, 0))
+        with self._posting(describe(*key), f"rank {src}"):
+            work = dist.irecv(header, src=src, group=self.group, tag=self._tag(kind, stage, microbatch, 0))
         speculative = [self._post(key, i, nbytes, src, _SPECULATIVE)
                        for i, nbytes in enumerate(self._recv_layout.get(key, ())) if nbytes]
         self._inbound[key] = _Inbound(src, self._peer(src_stage), work, speculative)
@@ -141,7 +143,8 @@ class P2PTransport(Transport):
         buf = self._buffers.get((*key, item))
         if buf is None or buf.numel() != nbytes:
             buf = self._buffers[(*key, item)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        work = dist.irecv(buf, src=src, group=self.group, tag=self._tag(*key, base + item))
+        with self._posting(describe(*key), f"rank {src}"):
+            work = dist.irecv(buf, src=src, group=self.group, tag=self._tag(*key, base + item))
         return item, buf, work
 
     def finish(self) -> None:
@@ -165,8 +168,25 @@ class P2PTransport(Transport):
 
     # -- sending --------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _posting(self, what: str, peer: str) -> Iterator[None]:
+        """Posting a send or receive to a peer whose connection is already gone.
+
+        gloo raises at ``isend``/``irecv`` itself (not in ``wait``) once it has seen the peer's
+        socket close, so a rank that died a moment earlier shows up here first; that is a
+        dead peer like any other and must become PipelineError, not gloo's RuntimeError.
+        """
+        try:
+            yield
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gloo reports a lost peer this way
+            raise self.watchdog.broken(exc, f"{what} to be posted", peer) from exc
+
     def _isend(self, buf: Tensor, dst: int, tag: int) -> None:
-        self._sends.add(dist.isend(buf, dst=dst, group=self.group, tag=tag), buf)
+        with self._posting("a send", f"rank {dst}"):
+            work = dist.isend(buf, dst=dst, group=self.group, tag=tag)
+        self._sends.add(work, buf)
 
     def _send(self, kind: int, stage: int, microbatch: int, meta: list[Any], tensors: Sequence[Tensor]) -> None:
         key = (kind, stage, microbatch)

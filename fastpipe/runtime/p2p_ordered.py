@@ -86,7 +86,9 @@ class OrderedTransport(P2PTransport):
                                   group=self.data_group))
             ops.append(dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g,
                                   group=self.data_group))
-        for work in dist.batch_isend_irecv(ops):
+        with self._posting("the connection handshake", "a neighbour rank"):
+            works = dist.batch_isend_irecv(ops)
+        for work in works:
             if self.polls:  # the connection must really be up: wait on the host, once
                 self.watchdog.poll(work, "the connection handshake", "a neighbour rank")
             else:
@@ -141,7 +143,8 @@ class OrderedTransport(P2PTransport):
             self._arrived[key] = (meta, buffers, [], inbound.peer)
         if not p2p:
             return
-        works = dist.batch_isend_irecv(p2p)
+        with self._posting("a batch of sends and receives", "a neighbour rank"):
+            works = dist.batch_isend_irecv(p2p)
         # NCCL coalesces a batch into one work; gloo returns one per operation.
         per_op = works if len(works) == len(p2p) else [works[-1]] * len(p2p)
         for key, index in receiving:
