@@ -21,7 +21,7 @@ ext_modules = [
         include_dirs=["csrc"],
         depends=sorted(glob("csrc/*.h")),
         cxx_std=17,
-        extra_compile_args=["-O2", "-pthread"],
+        extra_compile_args=["-O3", "-fno-math-errno", "-pthread"],
         extra_link_args=["-pthread"],
         libraries=["dl"],
     ),

@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "host_pool.h"
 #include "host_worker.h"
+#include "predict.h"
 #include "stream.h"
 
 namespace py = pybind11;
@@ -66,6 +67,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("live_host_threads", &live_host_threads, "Host-stream worker threads currently alive.");
   m.def("memcpy", &blocking_memcpy, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
         py::call_guard<py::gil_scoped_release>(), "Synchronous host memcpy (memmove), GIL released.");
+  m.def("adam_predict_f32", &adam_predict_f32, py::arg("out"), py::arg("p"), py::arg("m"), py::arg("v"),
+        py::arg("n"), py::arg("scale"), py::arg("eps"), py::arg("decay") = 0.0f,
+        py::call_guard<py::gil_scoped_release>(),
+        "out = p + scale * m / (sqrt(v) + eps) + decay * p over n contiguous float32s, in one pass, GIL "
+        "released (weight prediction, fastpipe.asynchronous.direction).");
   m.def("_shutdown", &shutdown_host_workers, py::call_guard<py::gil_scoped_release>(),
         "Drain and join every host stream (registered with atexit).");
 

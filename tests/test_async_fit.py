@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.asynchronous import update_direction, weight_copy_bytes
+from fastpipe.asynchronous import predict_weights, update_direction, weight_copy_bytes
+from fastpipe.asynchronous.weights import StageWeights
 
 
 def model(seed: int = 3) -> nn.Sequential:
@@ -236,6 +237,79 @@ def test_adamw_direction_adds_decoupled_decay() -> None:
         # AdamW: p <- p(1 - lr·λ) - lr·m̂/(√v̂+ε); Δ uses the current p for the decay term.
         adam_part = (before * (1 - 0.1 * 0.5) - p.detach()) / 0.1
         torch.testing.assert_close(delta - 0.5 * p.detach(), adam_part)
+
+
+PREDICTABLE = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True, eps=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5),
+}
+
+
+LAYOUTS = {  # contiguous fp32 takes fastpipe._C's one pass; the others torch's three
+    "fp32": lambda: torch.randn(64, 3),
+    "transposed": lambda: torch.randn(3, 64).t(),
+    "fp64": lambda: torch.randn(64, 3, dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("kind", sorted(PREDICTABLE))
+def test_predict_weights_is_w_minus_total_times_direction(kind: str, layout: str) -> None:
+    # The fused arithmetic against the direction it rearranges.
+    p, q = nn.Parameter(LAYOUTS[layout]()), nn.Parameter(torch.randn(7))
+    opt = PREDICTABLE[kind]([p, q])
+    (fresh_p, fresh_q) = predict_weights(opt, [p, q], [0.3, 0.3])
+    assert torch.equal(fresh_p, p) and torch.equal(fresh_q, q)  # no state yet: the weights themselves
+    for i in range(3):
+        p.grad, q.grad = torch.randn_like(p) * (i + 1), torch.randn(7)
+        opt.step()
+        out = [torch.full_like(p, float("nan")), torch.full_like(q, float("nan"))]
+        got = predict_weights(opt, [p, q], [0.3, 0.7], out)
+        assert got[0] is out[0] and got[1] is out[1]  # written into the buffers given
+        for w, total, delta, pred in zip((p, q), (0.3, 0.7), update_direction(opt, [p, q]), got):
+            assert delta is not None
+            torch.testing.assert_close(pred, w.detach() - total * delta, rtol=1e-6, atol=1e-6)
+
+
+def _counting_predictor(calls: list[object]):  # type: ignore[no-untyped-def]
+    def predict(version: int, lag: int, out):  # type: ignore[no-untyped-def]
+        calls.append(out)
+        return [torch.zeros(4)] if out is None else out
+    return predict
+
+
+def test_a_released_prediction_is_the_buffer_of_the_next() -> None:
+    # One prediction per mini-batch (M=2): the second mini-batch's is written into the first's buffers.
+    calls: list[object] = []
+    w = StageWeights([nn.Parameter(torch.ones(4))], "predict", {m: 1 for m in range(6)}, 2,
+                     _counting_predictor(calls))
+    first = w.acquire(0)
+    assert w.acquire(1) is first
+    w.release(0), w.release(1)
+    w.version += 1
+    second = w.acquire(2)
+    assert calls[0] is None and calls[1] is first and second[0] is first[0]
+    w.release(2)
+    assert len(w.pool) == 1 and w.pool[0][0] is first[0]
+    assert w.copy_bytes == 0 and w.peak_copy_bytes == 16
+
+
+def test_stash_copies_on_write_into_a_released_stash() -> None:
+    p = nn.Parameter(torch.ones(4))
+    w = StageWeights([p], "stash", {m: 1 for m in range(4)}, 1)
+    v0 = w.acquire(0)
+    w.before_update()  # micro-batch 0 still holds version 0: p moves to new storage
+    p.data.add_(1)
+    w.version += 1
+    assert v0[0].data_ptr() != p.data_ptr() and torch.equal(v0[0], torch.ones(4))
+    v1 = w.acquire(1)
+    w.release(0)
+    assert len(w.pool) == 1 and w.pool[0] is v0
+    w.before_update()  # version 1 is in use again: the parameter moves into version 0's old buffer
+    assert p.data_ptr() == v0[0].data_ptr() and w.pool == []
+    assert v1[0].data_ptr() != p.data_ptr() and torch.equal(p, v1[0])
 
 
 @pytest.mark.parametrize("optimizer, match", [

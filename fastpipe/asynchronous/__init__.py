@@ -6,9 +6,10 @@ arguments). Consistency policies: :data:`POLICIES`; see
 :mod:`fastpipe.asynchronous.direction` for weight prediction.
 """
 
-from fastpipe.asynchronous.direction import SUPPORTED, check_predictable, update_direction
+from fastpipe.asynchronous.direction import SUPPORTED, check_predictable, predict_weights, update_direction
 from fastpipe.asynchronous.fit import FitRun, fit
 from fastpipe.asynchronous.memory import weight_copy_bytes
 from fastpipe.asynchronous.weights import POLICIES
 
-__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "update_direction", "weight_copy_bytes"]
+__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "predict_weights", "update_direction",
+           "weight_copy_bytes"]

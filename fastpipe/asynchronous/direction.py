@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "check_predictable", "update_direction"]
+import fastpipe._C as _C
+
+__all__ = ["SUPPORTED", "check_predictable", "predict_weights", "update_direction"]
 
 SUPPORTED = "torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam, torch.optim.AdamW"
 
@@ -63,6 +65,13 @@ def check_predictable(optimizer: torch.optim.Optimizer) -> None:
                     "fastpipe: consistency='predict' does not support SGD(nesterov=True): its step adds the "
                     "current gradient, which the optimizer does not keep; use nesterov=False or Adam/AdamW"
                 )
+
+
+def _one_pass(*tensors: Tensor) -> bool:
+    """Whether ``_C.adam_predict_f32`` can serve: contiguous fp32 host tensors of one size."""
+    n = tensors[0].numel()
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n
+               for t in tensors)
 
 
 def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -98,3 +107,56 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor])
             delta = delta + group["weight_decay"] * p
         out.append(delta)
     return out
+
+
+@torch.no_grad()
+def predict_weights(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], totals: Sequence[float],
+                    out: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Ŵ = p - total · Δ for each of ``params``, written into ``out`` (new tensors when None).
+
+    ``totals[i]`` is the sum of the learning rates of the updates to predict for ``params[i]``
+    (``lr · s`` at a constant lr). Where the optimizer holds no state for a parameter yet,
+    Ŵ is a copy of it. The arithmetic is :func:`update_direction`'s, rearranged so that no
+    full-size temporary is made: the prediction runs on the critical path of every stage, once
+    per mini-batch, and on a CPU each temporary of a stage's size costs as much as the
+    prediction itself. For Adam, with c1 = 1 - β1^t and c2 = √(1 - β2^t)::
+
+        m̂ / (√v̂ + ε) = (c2 / c1) · m / (√v + ε · c2)
+
+    so Ŵ takes three passes (sqrt, add, addcdiv) into one buffer, against eight for the
+    direction followed by the subtraction; for contiguous fp32 host tensors, one pass
+    (``fastpipe._C.adam_predict_f32``).
+    """
+    if out is not None and len(out) != len(params):
+        raise ValueError(f"fastpipe: {len(out)} output buffers for {len(params)} parameters")
+    groups = _group_of(optimizer)
+    kind = type(optimizer)
+    result: list[Tensor] = []
+    for i, (p, total) in enumerate(zip(params, totals)):
+        o = torch.empty_like(p) if out is None else out[i]
+        group, state = groups.get(id(p)), optimizer.state.get(p, {})
+        if group is None or not state:
+            result.append(o.copy_(p))
+            continue
+        if kind is torch.optim.SGD:
+            buf = state.get("momentum_buffer")
+            result.append(o.copy_(p) if buf is None else torch.add(p, buf, alpha=-total, out=o))
+            continue
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+        c1, c2 = 1 - beta1 ** step, (1 - beta2 ** step) ** 0.5
+        decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+        decay = -total * group["weight_decay"] if decoupled else 0.0
+        first = state["exp_avg"]
+        if _one_pass(o, p, first, second):
+            _C.adam_predict_f32(o.data_ptr(), p.data_ptr(), first.data_ptr(), second.data_ptr(), o.numel(),
+                                -total * c2 / c1, group["eps"] * c2, decay)
+        else:
+            torch.sqrt(second, out=o)
+            o.add_(group["eps"] * c2)
+            torch.addcdiv(p, first, o, value=-total * c2 / c1, out=o)
+            if decay:
+                o.add_(p, alpha=decay)
+        result.append(o)
+    return result

@@ -22,9 +22,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from fastpipe.asynchronous.direction import check_predictable, update_direction
+from fastpipe.asynchronous.direction import check_predictable, predict_weights
 from fastpipe.asynchronous.runner import StreamRunner
-from fastpipe.asynchronous.weights import POLICIES, StageWeights
+from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.local import LossSpec, Stage, StepState
@@ -116,6 +116,8 @@ class FitRun(Iterator[Tensor]):
         self.weight_copy_bytes = {s: 0 for s in self.stages}
         self.weight_copy_bound = {s: 0 for s in self.stages}
         self._batches = batches
+        # Per stage, spare weight copies reused window after window (see asynchronous.weights).
+        self._pools: dict[int, list[list[Tensor]]] = {s: [] for s in self.stages}
         self._it = iter(batches)
         self._held: tuple[list[Value], list[Any], list[int]] | None = None
         self._pending: deque[Tensor] = deque()
@@ -201,13 +203,15 @@ class FitRun(Iterator[Tensor]):
     def _run_window(self) -> None:
         window = self._gather()
         if window is None:
+            for pool in self._pools.values():
+                pool.clear()
             raise StopIteration
         m, n = window.microbatches, window.minibatches
         schedule = build_stream(self.num_stages, m, n, flush=self.consistency == "sync")
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
         weights = {s: StageWeights(st.params, self.consistency, {i: lags[(s, i)] for i in range(m * n)}, m,
-                                   self._predictor(st.params, lrs))
+                                   self._predictor(st.params, lrs), self._pools[s])
                    for s, st in self.stages.items()}
         bound = weight_versions(schedule)[self.consistency]
         for s, st in self.stages.items():
@@ -265,21 +269,15 @@ class FitRun(Iterator[Tensor]):
                 for p in params:
                     p.grad = None
 
-    def _predictor(self, params: list[nn.Parameter], lrs: list[list[float]]) -> Callable[[int, int], list[Tensor]]:
+    def _predictor(self, params: list[nn.Parameter], lrs: list[list[float]]) -> Predictor:
         optimizer, index = self.optimizer, self._group_index
 
-        def predict(version: int, lag: int) -> list[Tensor]:
+        def predict(version: int, lag: int, out: Sequence[Tensor] | None) -> list[Tensor]:
             # Ŵ = W - Σ_{u=version}^{version+lag-1} lr_u · Δ: XPipe's W - lr·s·Δ (arXiv 1911.04610),
             # with PipeOptim's optimizer-specific Δ (arXiv 2312.00839) and the scheduler's own lrs.
-            directions = update_direction(optimizer, params)
-            out = []
-            for p, delta in zip(params, directions):
-                if delta is None or id(p) not in index:
-                    out.append(p.detach().clone())
-                    continue
-                total = sum(row[index[id(p)]] for row in lrs[version:version + lag])
-                out.append(p.detach() - total * delta)
-            return out
+            totals = [sum(row[index[id(p)]] for row in lrs[version:version + lag]) if id(p) in index else 0.0
+                      for p in params]
+            return predict_weights(optimizer, params, totals, out)
 
         return predict
 

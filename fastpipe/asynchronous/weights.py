@@ -24,6 +24,14 @@ backward. Per policy:
 
 Copies are counted (:attr:`StageWeights.peak_copy_bytes`) from creation (stash: from the
 update that supersedes the version) until the last backward that reads them.
+
+A copy no longer read goes back to a pool of buffers (one tensor per parameter) that the
+next copy is written into. Predictions and stashes come once per mini-batch per stage, each
+the size of the stage's weights; fresh allocations of that size cost page faults on a CPU
+(glibc serves them with mmap) and show up as a few percent of the step. The pool never holds
+more buffers than the peak number of copies alive at once, so the memory it keeps is within
+``peak_copy_bytes``; it lives as long as the caller keeps it (``Pipe.fit`` keeps one per stage
+for the run).
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ __all__ = ["POLICIES", "StageWeights"]
 
 POLICIES = ("sync", "stale", "stash", "predict")
 
-# (version seen, lag) -> the predicted weights, one tensor per parameter (None: no state yet)
-Predictor = Callable[[int, int], Sequence[Tensor]]
+# (version seen, lag, buffers to write into or None) -> the predicted weights, one tensor per parameter
+Predictor = Callable[[int, int, Sequence[Tensor] | None], Sequence[Tensor]]
 
 
 @dataclass
@@ -59,11 +67,14 @@ class StageWeights:
         policy: one of :data:`POLICIES`.
         lags: per micro-batch of the stream, its update lag on this stage.
         minibatch_size: micro-batches per update.
-        predictor: ``predictor(version, lag)``: the predicted weights (``predict`` only).
+        predictor: ``predictor(version, lag, out)``: the predicted weights, written into the
+            buffers ``out`` when given (``predict`` only).
+        pool: free buffers (each a list with one tensor per parameter, like ``params``) to
+            write copies into; released copies are put back. A new list when None.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], policy: str, lags: Mapping[int, int], minibatch_size: int,
-                 predictor: Predictor | None = None) -> None:
+                 predictor: Predictor | None = None, pool: list[list[Tensor]] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {policy!r}")
         self.params = list(params)
@@ -71,6 +82,7 @@ class StageWeights:
         self.lags = lags
         self.minibatch_size = minibatch_size
         self.predictor = predictor
+        self.pool: list[list[Tensor]] = [] if pool is None else pool
         self.version = 0  # updates applied by this stage in this window
         self.copy_bytes = 0
         self.peak_copy_bytes = 0
@@ -104,6 +116,8 @@ class StageWeights:
         if not entry.users:
             del self._versions[key]
             self.copy_bytes -= entry.nbytes
+            if entry.nbytes:  # a copy, not the live storage: its buffers serve the next copy
+                self.pool.append(entry.tensors)
 
     def before_update(self) -> None:
         """Just before the optimizer steps this stage: under ``stash``, keep the live version
@@ -111,9 +125,10 @@ class StageWeights:
         entry = self._versions.get(("live", self.version))
         if self.policy != "stash" or entry is None:
             return
+        spare = self.pool.pop() if self.pool else None
         with torch.no_grad():
-            for p in self.params:
-                p.data = p.data.clone()
+            for i, p in enumerate(self.params):
+                p.data = p.data.clone() if spare is None else spare[i].copy_(p.data)
         entry.nbytes = sum(t.numel() * t.element_size() for t in entry.tensors)
         self.copy_bytes += entry.nbytes
         self.peak_copy_bytes = max(self.peak_copy_bytes, self.copy_bytes)
@@ -126,7 +141,7 @@ class StageWeights:
                 tensors = [p.data for p in self.params]
             else:
                 assert self.predictor is not None
-                tensors = list(self.predictor(self.version, lag))
+                tensors = list(self.predictor(self.version, lag, self.pool.pop() if self.pool else None))
         for t in tensors:
             t.requires_grad_(True)
         nbytes = sum(t.numel() * t.element_size() for t in tensors) if copy else 0
