@@ -298,7 +298,8 @@ class DistributedPipe(nn.Module):
     def fit(self, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
             optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
             max_grad_norm: float | None = None, window: int = 8, trace: bool = False) -> Any:
-        """:meth:`fastpipe.Pipe.fit` on every rank, one stage per rank; see :mod:`fastpipe.asynchronous.distributed`.
+        """:meth:`fastpipe.Pipe.fit` on every rank (its stage, or its virtual stages interleaved); see
+        :mod:`fastpipe.asynchronous.distributed`.
 
         Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
         reads the inputs, the last rank the targets) and its optimizer over its parameters;

@@ -361,6 +361,7 @@ class Pipe(nn.Module):
                 ...
 
         Mini-batches stream through a 1F1B pipeline without a flush between them (XPipe),
+        or Megatron's interleaved 1F1B with ``virtual_stages`` > 1,
         ``window`` at a time; the pipeline drains between windows, which is where
         :func:`fastpipe.save` captures an exact resume point (``run.steps % window == 0``).
 

@@ -13,6 +13,7 @@ import fastpipe
 from fastpipe import Pipe
 from fastpipe.asynchronous import predict_weights, update_direction, weight_copy_bytes
 from fastpipe.asynchronous.weights import StageWeights
+from fastpipe.schedule import ScheduleError
 
 
 def model(seed: int = 3) -> nn.Sequential:
@@ -437,3 +438,41 @@ def test_a_short_mini_batch_runs_in_its_own_window() -> None:
     losses = list(pipe.fit(batches, nn.MSELoss(), opt2, consistency="sync", window=8))
     assert len(losses) == 4 and all(torch.equal(a, b) for a, b in zip(losses, expected))
     assert list(pipe.fit([], nn.MSELoss(), opt2)) == []
+
+
+@pytest.mark.parametrize("consistency", ["sync", "predict"])
+def test_local_virtual_stages(consistency: str) -> None:
+    # 4 stages on 2 workers (interleaved): sync sums each stage's micro-batches in the same order as
+    # one worker per stage does, so it is bit-equal; predict follows the interleaved stream's own lags.
+    batches = data(6)
+    flat = Pipe(model(), balance=[2, 2, 2, 1], chunks=2)
+    virtual = Pipe(model(), balance=[2, 2, 2, 1], chunks=2, schedule="interleaved", virtual_stages=2)
+    runs = []
+    for pipe in (flat, virtual):
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+        run = pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency, window=6)  # 6: steady state
+        runs.append((run, [loss.item() for loss in run]))
+    (flat_run, flat_losses), (virtual_run, virtual_losses) = runs
+    if consistency == "sync":
+        assert virtual_losses == flat_losses
+        assert all(torch.equal(p, q) for p, q in zip(flat.parameters(), virtual.parameters()))
+    else:
+        assert virtual_losses != flat_losses  # other lags: stage 2 shares worker 0 with stage 0
+        assert virtual_run.weight_copy_bytes == virtual_run.weight_copy_bound
+        assert weight_copy_bytes(virtual)["predict"] == virtual_run.weight_copy_bound
+        assert virtual_run.weight_copy_bound != flat_run.weight_copy_bound
+
+
+def test_virtual_stages_refuse_a_short_last_mini_batch_clearly() -> None:
+    pipe = Pipe(model(), balance=[2, 2, 2, 1], chunks=2, schedule="interleaved", virtual_stages=2)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    batches = data(2) + [(torch.randn(1, 8), torch.randn(1, 4))]  # 1 row: one micro-batch, not a multiple of 2
+    run = pipe.fit(batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.1), consistency="stale",
+                   window=4)
+    assert len([next(run), next(run)]) == 2
+    after = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.warns(UserWarning, match="splits into 1 micro-batches"), \
+            pytest.raises(ScheduleError, match="multiple of 2 micro-batches.*drop_last=True"):
+        next(run)
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), after))  # the failed window applied nothing
+    assert not all(torch.equal(p, q) for p, q in zip(after, before))

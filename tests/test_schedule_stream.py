@@ -87,3 +87,27 @@ def test_steady_state_gain_is_the_bubble() -> None:
         for m in (1, 4):
             assert steady_state_time(k, m, flush=False, forward=f, backward=b) == pytest.approx(m * (f + b))
             assert steady_state_time(k, m, flush=True, forward=f, backward=b) == pytest.approx((m + k - 1) * (f + b))
+
+
+def test_virtual_stage_stream_lags_by_hand() -> None:
+    # 4 stages on 2 workers, M=2, N=3 (interleaved 1F1B over 6 micro-batches). Worker 0 runs
+    # 0F0 0F1 2F0 2F1 0F2 2BW0 0F3 2BW1 2U0 2F2 0BW0 2F3 0BW1 0U0 0F4 ...: stage 0's micro-batches 2 and 3
+    # run before U0 and are applied by U1 (lag 1), 4 and 5 after U0 by U2 (lag 1); stage 2 updates before
+    # each of its next forwards (lag 0). Worker 1 likewise for stages 1 and 3.
+    s = build_stream(4, 2, 3, workers=2)
+    assert (s.name, s.num_stages, s.num_workers) == ("interleaved-stream", 4, 2)
+    lag = update_lag(s)
+    assert [lag[(0, m)] for m in range(6)] == [lag[(1, m)] for m in range(6)] == [0, 0, 1, 1, 1, 1]
+    assert [lag[(2, m)] for m in range(6)] == [lag[(3, m)] for m in range(6)] == [0] * 6
+    assert [a.kind for a in s.workers[0]].count("U") == 6  # one per (stage, mini-batch) it holds
+    flushed = build_stream(4, 2, 3, flush=True, workers=2)
+    assert flushed.name == "interleaved-flush" and set(update_lag(flushed).values()) == {0}
+
+
+def test_virtual_stage_stream_needs_a_multiple_of_the_workers() -> None:
+    with pytest.raises(ScheduleError, match="multiple of 2 micro-batches.*N·M = 3·1"):
+        build_stream(4, 1, 3, workers=2)
+    with pytest.raises(ScheduleError, match="M = 3"):
+        build_stream(4, 3, 2, flush=True, workers=2)
+    with pytest.raises(ScheduleError, match="spread evenly"):
+        build_stream(3, 2, 2, workers=2)

@@ -11,7 +11,10 @@ losses, so every rank yields the same losses. Every wait is bounded by the pipe'
 With data parallelism (``dp_group`` or a 2-D ``mesh``) each update first averages its
 stage's mini-batch gradient over the replicas (a bucketed all-reduce, bounded like every
 other wait), and the yielded losses are the replicas' mean; every replica must iterate as
-many mini-batches. Not supported: virtual stages (more than one stage per rank).
+many mini-batches. With virtual stages (``len(balance)`` a multiple of the ranks, stage s on
+rank s % K) the stream is ordered by Megatron's interleaved 1F1B
+(:func:`~fastpipe.schedule.stream.build_stream` with ``workers``), each stage updating on
+its own ``U``; ``chunks`` must then be a multiple of the ranks, as for ``train_step``.
 """
 
 from __future__ import annotations
@@ -35,11 +38,9 @@ class DistributedFitRun(FitRun):
     """:class:`FitRun` over a :class:`~fastpipe.DistributedPipe`'s runtime; call ``fit`` on every rank."""
 
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
-        if len(pipe.balance) != pipe._runtime.size:
-            raise ValueError(f"fastpipe: DistributedPipe.fit runs one stage per rank; {len(pipe.balance)} stages on "
-                             f"{pipe._runtime.size} ranks need virtual stages, which fit does not support")
         super().__init__(pipe, *args, **kwargs)
         self.runtime: Any = pipe._runtime
+        self.num_workers = self.runtime.size  # fewer than the stages: virtual stages, interleaved
 
     def _fail(self, exc: BaseException) -> None:
         runtime = self.runtime

@@ -84,6 +84,8 @@ class FitRun(Iterator[Tensor]):
         stages: Any = pipe._stages
         self.stages: dict[int, Stage] = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
         self.num_stages = len(pipe.balance)  # type: ignore[arg-type]
+        # Virtual stages (schedule="interleaved", virtual_stages=v): stage s on worker s % (K/v).
+        self.num_workers = self.num_stages // getattr(pipe, "virtual_stages", 1)
         self.chunks: int = pipe.chunks  # type: ignore[assignment]
         self.checkpoint_mode: str = pipe.checkpoint  # type: ignore[assignment]
         if pipe.deferred_batch_norm:
@@ -207,7 +209,7 @@ class FitRun(Iterator[Tensor]):
                 pool.clear()
             raise StopIteration
         m, n = window.microbatches, window.minibatches
-        schedule = build_stream(self.num_stages, m, n, flush=self.consistency == "sync")
+        schedule = build_stream(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
         weights = {s: StageWeights(st.params, self.consistency, {i: lags[(s, i)] for i in range(m * n)}, m,

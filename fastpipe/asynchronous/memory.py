@@ -27,6 +27,11 @@ def weight_copy_bytes(pipe: Any, chunks: int | None = None) -> dict[str, dict[in
     owned = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
     k = len(pipe.balance)
     m = pipe.chunks if chunks is None else chunks
-    versions = weight_versions(build_stream(k, m, k + 2, flush=False))  # K + 2 mini-batches reach steady state
+    # Fewer workers than stages: virtual stages (a DistributedPipe's ranks, a Pipe's virtual_stages).
+    workers = getattr(getattr(pipe, "_runtime", None), "size", None) or k // getattr(pipe, "virtual_stages", 1)
+    n = k + 2  # K + 2 mini-batches reach steady state
+    while (n * m) % workers:  # the interleaved order needs a multiple of the workers
+        n += 1
+    versions = weight_versions(build_stream(k, m, n, flush=False, workers=workers))
     sizes = {s: sum(p.numel() * p.element_size() for p in st.params) for s, st in owned.items()}
     return {policy: {s: versions[policy][s] * sizes[s] for s in owned} for policy in POLICIES}

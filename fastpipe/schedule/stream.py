@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 
-from fastpipe.schedule.builders import build
+from fastpipe.schedule.builders import build_for
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 from fastpipe.schedule.simulate import simulate_times
 
@@ -36,43 +36,62 @@ __all__ = ["build_stream", "update_lag", "weight_versions", "steady_state_time"]
 
 
 @functools.lru_cache(maxsize=64)
-def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool = False) -> Schedule:
+def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool = False,
+                 workers: int | None = None) -> Schedule:
     """A 1F1B stream of ``minibatches`` mini-batches of ``microbatches`` micro-batches each.
 
     Args:
-        stages: pipeline stages K (one per worker).
+        stages: pipeline stages.
         microbatches: micro-batches per mini-batch M (per weight update).
         minibatches: mini-batches N in the stream.
         flush: synchronous (True) or asynchronous (False); see the module docstring.
+        workers: workers K (default one per stage). Fewer workers than stages means virtual
+            stages, stage s on worker s % K, ordered by Megatron's interleaved 1F1B; its
+            constraint applies to the micro-batches it orders: M (flushed) or N·M (not)
+            must be a multiple of K.
 
     Returns:
-        A validated schedule named ``"1f1b-stream"`` (``"1f1b-flush"`` when flushed).
+        A validated schedule named ``"1f1b-stream"`` or ``"1f1b-flush"`` (``"interleaved-…"``
+        with virtual stages). ``U(s, n)`` follows stage s's last backward of mini-batch n on
+        its worker.
 
     Raises:
-        ScheduleError: an argument is not a positive integer.
+        ScheduleError: an argument is not a positive integer, the stages do not spread
+            evenly over the workers, or the interleaved constraint fails.
     """
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("minibatches", minibatches)):
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("minibatches", minibatches),
+                        ("workers", stages if workers is None else workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
+    k = stages if workers is None else workers
+    kind = "1f1b" if k == stages else "interleaved"
     m = microbatches
-    if flush:
-        one = build("1f1b", stages, m).workers
-        workers = [
-            [a for n in range(minibatches)
-             for a in [Action(x.kind, x.stage, x.microbatch + n * m) for x in one[w]] + [Action("U", w, n)]]
-            for w in range(stages)
-        ]
-    else:
-        workers = []
-        for actions in build("1f1b", stages, m * minibatches).workers:
-            out: list[Action] = []
-            for a in actions:
-                out.append(a)
-                if a.kind == "BW" and a.microbatch % m == m - 1:
+    ordered = m if flush else m * minibatches
+    if kind == "interleaved" and stages % k == 0 and ordered % k:
+        count = f"M = {m}" if flush else f"N·M = {minibatches}·{m}"
+        raise ScheduleError(
+            f"{stages} stages on {k} workers (virtual stages) are ordered by the interleaved 1F1B, which needs "
+            f"a multiple of {k} micro-batches; this stream has {count}. Use chunks that are a multiple of {k}, "
+            "and mini-batches of at least chunks rows (e.g. drop_last=True in the DataLoader)"
+        )
+    one = build_for(kind, stages, k, ordered).workers
+    out_workers = []
+    for w in range(k):
+        actions = ([Action(x.kind, x.stage, x.microbatch + n * m) for n in range(minibatches) for x in one[w]]
+                   if flush else one[w])
+        out: list[Action] = []
+        done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its backwards run so far
+        for a in actions:
+            out.append(a)
+            if a.kind == "BW":
+                key = (a.stage, a.microbatch // m)
+                done[key] = done.get(key, 0) + 1
+                if done[key] == m:
                     out.append(Action("U", a.stage, a.microbatch // m))
-            workers.append(out)
-    schedule = Schedule("1f1b-flush" if flush else "1f1b-stream", stages, m * minibatches, stages,
-                        tuple(tuple(w) for w in workers), minibatch_size=m, flush=flush)
+        out_workers.append(out)
+    label = "1f1b" if kind == "1f1b" else "interleaved"
+    schedule = Schedule(f"{label}-flush" if flush else f"{label}-stream", stages, m * minibatches, k,
+                        tuple(tuple(w) for w in out_workers), minibatch_size=m, flush=flush)
     schedule.validate()
     return schedule
 
