@@ -131,3 +131,12 @@ def autograd_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         monkeypatch.setattr(torch.autograd, fn, spy)
     return names
+
+
+def pytest_unconfigure(config):
+    """Close the hang-dump file (opened at the first time-limited test) at the end of the session."""
+    global _dump_file
+    if _dump_file is not None:
+        faulthandler.cancel_dump_traceback_later()
+        _dump_file.close()
+        _dump_file = None
