@@ -12,6 +12,10 @@ With data parallelism (``dp_group`` or a 2-D ``mesh``) each update first average
 stage's mini-batch gradient over the replicas (a bucketed all-reduce, bounded like every
 other wait), and the yielded losses are the replicas' mean; every replica must iterate as
 many mini-batches. Not supported: virtual stages (more than one stage per rank).
+
+With ``deferred_batch_norm=True`` each rank commits its stage's running statistics per
+mini-batch at its update, as :class:`FitRun` does (the runner is the same); under data
+parallelism each replica's come from its own share of the batch, as in ``train_step``.
 """
 
 from __future__ import annotations
