@@ -6,10 +6,21 @@ batch. :class:`DeferredBatchNorm` normalises each micro-batch with that micro-ba
 statistics, exactly as a plain BatchNorm does in training, but only *accumulates*
 statistics for the running ones; :meth:`DeferredBatchNorm.commit` folds them in once
 per mini-batch, so the running statistics equal those of one pass over the whole batch.
+
+Statistics accumulate into a *slot*: the default one unless a forward runs inside
+:func:`accumulating_into`. ``Pipe.train_step``, ``Pipe.forward`` and ``DistributedPipe``
+use the default slot and commit it after the step. ``Pipe.fit`` runs forwards of mini-batch
+n + 1 before stage s's update of mini-batch n (the asynchronous stream), so it gives each
+mini-batch its own slot and commits exactly that one at the update (see
+:mod:`fastpipe.asynchronous.runner`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Hashable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,21 +29,53 @@ from torch import Tensor, nn
 
 from fastpipe.runtime.worker import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norm"]
+__all__ = ["DeferredBatchNorm", "accumulating_into", "convert_deferred_batch_norm", "commit_deferred_batch_norm"]
+
+# Per thread (each thread starts in its own context): the slot this thread's forwards accumulate into.
+_slot: ContextVar[Hashable] = ContextVar("fastpipe_deferred_batch_norm_slot", default=None)
+
+
+@contextlib.contextmanager
+def accumulating_into(slot: Hashable) -> Iterator[None]:
+    """Within the block, this thread's DeferredBatchNorm forwards accumulate into ``slot``.
+
+    ``None`` is the default slot, the one :meth:`DeferredBatchNorm.commit` commits when
+    given no slot.
+    """
+    token = _slot.set(slot)
+    try:
+        yield
+    finally:
+        _slot.reset(token)
+
+
+@dataclass
+class _Stats:
+    """Statistics of the micro-batches accumulated into one slot since its last commit."""
+
+    mean: Tensor  # per channel, over all of them
+    m2: Tensor  # per channel, their sum of squared deviations from ``mean``
+    count: int  # values per channel
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     """A BatchNorm (1d/2d/3d alike) that updates running statistics once per mini-batch.
 
-    Its state dict has the same keys as ``nn.BatchNorm*d``'s.
+    Its state dict has the same keys as ``nn.BatchNorm*d``'s. The accumulated statistics
+    are kept per slot (see :func:`accumulating_into`) and are not part of the state dict.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self._mean: Tensor | None = None  # of the micro-batches seen since the last commit
-        self._m2: Tensor | None = None  # their sum of squared deviations from it
-        self._count = 0
+        self._pending: dict[Hashable, _Stats] = {}  # per slot, what its next commit folds in
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # One pickled before statistics were kept per slot had one set of them, uncommitted: drop it.
+        for name in ("_mean", "_m2", "_count"):
+            state.pop(name, None)
+        super().__setstate__(state)
+        self.__dict__.setdefault("_pending", {})
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -43,12 +86,12 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not (self.training and self.track_running_stats):
             return super().forward(input)
         if not is_recomputing():
-            self._accumulate(input)
+            self._accumulate(input, _slot.get())
         # Normalise with the micro-batch's own statistics; leave running stats alone.
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     @torch.no_grad()
-    def _accumulate(self, input: Tensor) -> None:
+    def _accumulate(self, input: Tensor, slot: Hashable) -> None:
         # Each micro-batch's mean and variance in one fused reduction (fp32 at least, no
         # copy of an fp32 activation), merged into per-channel sums in fp64 with Chan et
         # al.'s pairwise update: no fp64 copy of the activation or of its square.
@@ -60,25 +103,30 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         wide = torch.float64 if input.device.type in ("cpu", "cuda") else torch.float32
         n_b = input.numel() // input.size(1)
         mean, m2 = mean.to(wide), var.to(wide) * n_b
-        if self._mean is None or self._m2 is None or self._count == 0:
-            self._mean, self._m2, self._count = mean, m2, n_b
+        acc = self._pending.get(slot)
+        if acc is None or acc.count == 0:
+            self._pending[slot] = _Stats(mean, m2, n_b)
             return
-        n_a = self._count
+        n_a = acc.count
         n = n_a + n_b
-        delta = mean - self._mean
-        self._mean = self._mean + delta * (n_b / n)
-        self._m2 = self._m2 + m2 + delta * delta * (n_a * n_b / n)
-        self._count = n
+        delta = mean - acc.mean
+        acc.mean = acc.mean + delta * (n_b / n)
+        acc.m2 = acc.m2 + m2 + delta * delta * (n_a * n_b / n)
+        acc.count = n
 
     @torch.no_grad()
-    def commit(self) -> None:
-        """Fold the statistics accumulated since the last commit into the running ones."""
-        if self._mean is None or self._m2 is None or self._count == 0:
+    def commit(self, slot: Hashable = None) -> None:
+        """Fold the statistics accumulated into ``slot`` since its last commit into the running ones.
+
+        Other slots are left as they are. Without anything accumulated in ``slot``, nothing changes.
+        """
+        acc = self._pending.pop(slot, None)
+        if acc is None or acc.count == 0:
             return
         assert self.running_mean is not None and self.running_var is not None
-        n = self._count
-        mean = self._mean
-        var = self._m2 / n
+        n = acc.count
+        mean = acc.mean
+        var = acc.m2 / n
         unbiased = var * (n / (n - 1)) if n > 1 else var
         assert self.num_batches_tracked is not None
         self.num_batches_tracked.add_(1)
@@ -88,8 +136,10 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                                     else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
         self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype) * momentum)
         self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype) * momentum)
-        self._mean = self._m2 = None
-        self._count = 0
+
+    def discard(self, slot: Hashable = None) -> None:
+        """Drop what ``slot`` accumulated, without committing it (a step that failed)."""
+        self._pending.pop(slot, None)
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
@@ -138,8 +188,8 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     return DeferredBatchNorm.convert(module)
 
 
-def commit_deferred_batch_norm(module: nn.Module) -> None:
+def commit_deferred_batch_norm(module: nn.Module, slot: Hashable = None) -> None:
     """Call :meth:`DeferredBatchNorm.commit` on every DeferredBatchNorm inside ``module``."""
     for m in module.modules():
         if isinstance(m, DeferredBatchNorm):
-            m.commit()
+            m.commit(slot)

@@ -380,6 +380,12 @@ class Pipe(nn.Module):
                 stages update at different times).
             window: mini-batches between drains.
             trace: record each window's timeline in ``last_timeline``.
+
+        With ``deferred_batch_norm=True``, stage s commits the BatchNorm running statistics
+        of mini-batch n at its update of n, from exactly that mini-batch's micro-batches (the
+        forwards of mini-batch n + 1 that run before it accumulate apart); under ``"sync"``
+        they equal ``train_step``'s. Running statistics are buffers, not parameters, so the
+        weight versions of ``"stash"`` and ``"predict"`` do not version them.
         """
         from fastpipe.asynchronous.fit import fit
 

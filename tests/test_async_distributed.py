@@ -73,6 +73,38 @@ def test_distributed_fit_equals_local_fit(monkeypatch: pytest.MonkeyPatch) -> No
     assert run.weight_copy_bytes[0] > 0  # stage 0 ran on predictions
 
 
+def bn_model() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
+                         nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 4))
+
+
+def _fit_bn(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(bn_model(), [3, 3], chunks=2, checkpoint="except_last", deferred_batch_norm=True)
+    opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
+    batches = [(x if rank == 0 else None, y if rank == 1 else None) for x, y in data()]
+    losses = [loss.item() for loss in pipe.fit(batches, nn.MSELoss(), opt, consistency="predict", window=3)]
+    pipe.close()
+    return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
+
+
+def test_distributed_fit_with_deferred_batch_norm_equals_local_fit() -> None:
+    # The running statistics are committed per mini-batch at each rank's update, as in Pipe.fit.
+    outcomes = check_ok(run_ranks(_fit_bn, 2, timeout=90))
+    pipe = Pipe(bn_model(), balance=[3, 3], chunks=2, checkpoint="except_last", deferred_batch_norm=True)
+    opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
+    losses = [loss.item() for loss in pipe.fit(data(), nn.MSELoss(), opt, consistency="predict", window=3)]
+    assert outcomes[0]["losses"] == outcomes[1]["losses"] == losses
+    state = pipe.state_dict()
+    for rank, outcome in enumerate(outcomes):
+        assert any("running_var" in k for k in outcome["state"]), rank
+        for k, v in outcome["state"].items():
+            assert torch.equal(v, state[k]), (rank, k)
+    assert int(state["4.num_batches_tracked"]) == len(data())
+
+
 def _dies(rank: int, world: int) -> dict:
     from fastpipe.distributed_pipe import DistributedPipe
 

@@ -61,3 +61,31 @@ def test_normalises_each_micro_batch_like_torch():
     dbn = DeferredBatchNorm.convert(copy.deepcopy(bn))
     x = torch.randn(7, 5)
     torch.testing.assert_close(dbn(x), bn(x))
+
+
+def test_slots_accumulate_and_commit_apart():
+    # Pipe.fit gives each mini-batch its own slot: committing one leaves the others (and the default) pending.
+    from fastpipe.batchnorm import accumulating_into
+
+    torch.manual_seed(0)
+    a, b, c = torch.randn(6, 3), torch.randn(6, 3) + 5, torch.randn(6, 3) - 5
+    dbn = DeferredBatchNorm.convert(nn.BatchNorm1d(3))
+    ref = copy.deepcopy(dbn)
+    with accumulating_into("one"):
+        dbn(a)
+        with accumulating_into("two"):
+            dbn(b)
+        dbn(a)
+    dbn(c)  # the default slot
+    dbn.commit("one")
+    ref(torch.cat([a, a]))
+    ref.commit()
+    torch.testing.assert_close(dbn.running_mean, ref.running_mean)
+    torch.testing.assert_close(dbn.running_var, ref.running_var)
+    assert set(dbn._pending) == {"two", None}
+    dbn.discard("two")
+    dbn.commit()
+    ref(c)
+    ref.commit()
+    torch.testing.assert_close(dbn.running_var, ref.running_var)
+    assert int(dbn.num_batches_tracked) == 2 and dbn._pending == {}

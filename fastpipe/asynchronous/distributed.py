@@ -15,6 +15,10 @@ many mini-batches. With virtual stages (``len(balance)`` a multiple of the ranks
 rank s % K) the stream is ordered by Megatron's interleaved 1F1B
 (:func:`~fastpipe.schedule.stream.build_stream` with ``workers``), each stage updating on
 its own ``U``; ``chunks`` must then be a multiple of the ranks, as for ``train_step``.
+
+With ``deferred_batch_norm=True`` each rank commits its stage's running statistics per
+mini-batch at its update, as :class:`FitRun` does (the runner is the same); under data
+parallelism each replica's come from its own share of the batch, as in ``train_step``.
 """
 
 from __future__ import annotations

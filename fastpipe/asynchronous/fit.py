@@ -66,6 +66,13 @@ class FitRun(Iterator[Tensor]):
     ``steps % window == 0`` between two losses, no work is in flight: the pipe and the
     optimizer hold the state after exactly ``steps`` updates, which is when to save.
 
+    With :class:`~fastpipe.DeferredBatchNorm` layers (``deferred_batch_norm=True``), stage
+    s commits the running statistics of mini-batch n at its update of n, from exactly that
+    mini-batch's micro-batches, even where the stream has already run forwards of the next
+    one; under ``sync`` they equal ``train_step``'s. The running statistics are buffers, so
+    ``stash`` and ``predict`` do not version them: a forward in training mode normalises
+    with its micro-batch's own statistics and never reads them.
+
     Attributes:
         steps: mini-batches whose loss has been yielded.
         weight_copy_bytes: per stage (this process's), the most bytes of weight copies (stashed or
@@ -88,8 +95,6 @@ class FitRun(Iterator[Tensor]):
         self.num_workers = self.num_stages // getattr(pipe, "virtual_stages", 1)
         self.chunks: int = pipe.chunks  # type: ignore[assignment]
         self.checkpoint_mode: str = pipe.checkpoint  # type: ignore[assignment]
-        if pipe.deferred_batch_norm:
-            raise ValueError("fastpipe: fit does not support deferred_batch_norm=True yet; use train_step")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"fastpipe: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
@@ -224,13 +229,21 @@ class FitRun(Iterator[Tensor]):
         def checkpoint(i: int) -> bool:
             return mode == "always" or (mode == "except_last" and i % m != m - 1)
 
+        made: list[StreamRunner] = []
+
         def make_runner(stages: Mapping[int, Stage], num_stages: int, transport: Transport,
                         state: StepState) -> StreamRunner:
-            return StreamRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
-                                loss=LossSpec(self.loss_fn, window.targets, window.factors), weights=weights,
-                                minibatch_size=m, apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i]))
+            made.append(StreamRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
+                                     loss=LossSpec(self.loss_fn, window.targets, window.factors), weights=weights,
+                                     minibatch_size=m,
+                                     apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i])))
+            return made[-1]
 
-        losses = self._execute(schedule, window, make_runner)
+        try:
+            losses = self._execute(schedule, window, make_runner)
+        finally:
+            for runner in made:  # after a failure: the statistics of mini-batches never updated
+                runner.discard_norm_stats(n)
         for s, w in weights.items():
             self.weight_copy_bytes[s] = max(self.weight_copy_bytes[s], w.peak_copy_bytes)
         self._pending.extend(losses)

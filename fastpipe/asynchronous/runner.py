@@ -7,7 +7,14 @@ recompute, same loss weighting) in three ways:
   :func:`torch.func.functional_call`, never on the parameters themselves;
 * a backward accumulates into its mini-batch's gradient sum, one per (stage, mini-batch);
 * ``U(s, n)`` hands stage s's sum for mini-batch n to ``apply_update`` (the optimizer step)
-  and moves the stage's live version on.
+  and moves the stage's live version on;
+* each forward of mini-batch n accumulates :class:`~fastpipe.DeferredBatchNorm` statistics
+  into that mini-batch's own slot, and ``U(s, n)`` commits exactly that slot of stage s's
+  layers. A stage runs forwards of mini-batch n + 1 before ``U(s, n)`` (asynchronous
+  stream), so committing whatever had accumulated would mix mini-batches. A recompute
+  accumulates nothing, as in ``train_step``. Running statistics are buffers, not trainable
+  parameters: the weight versions (stash, predict) do not version them, so every forward
+  reads and every commit writes the stage's one set.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fastpipe.asynchronous.weights import StageWeights
+from fastpipe.batchnorm import DeferredBatchNorm, accumulating_into
 from fastpipe.microbatch import Value
 from fastpipe.runtime.local import LossSpec, Stage, StepRunner, StepState
 from fastpipe.runtime.transport import Transport
@@ -30,6 +38,11 @@ from fastpipe.schedule import Action
 __all__ = ["StreamRunner"]
 
 ApplyUpdate = Callable[[int, int, Sequence[Tensor | None]], None]
+
+
+def norm_slot(minibatch: int) -> tuple[str, int]:
+    """The DeferredBatchNorm slot of a window's mini-batch (never the default slot, None)."""
+    return ("fit", minibatch)
 
 
 class _OnVersion(nn.Module):
@@ -73,11 +86,13 @@ class StreamRunner(StepRunner):
         own: dict[int, Stage] = {}
         self._live_params: dict[int, list[nn.Parameter]] = {}
         self._modules: dict[int, _OnVersion] = {}
+        self.norms: dict[int, list[DeferredBatchNorm]] = {}
         for s, stage in stages.items():
             names = [n for n, p in stage.module.named_parameters() if p.requires_grad]
             mine = copy.copy(stage)  # its params are swapped per action; the Pipe's Stage stays as it is
             self._modules[s] = mine.module = _OnVersion(stage.module, names)
             self._live_params[s] = list(stage.params)
+            self.norms[s] = [m for m in stage.module.modules() if isinstance(m, DeferredBatchNorm)]
             own[s] = mine
         super().__init__(own, num_stages, transport, state, grad=True, checkpoint=checkpoint, loss=loss)
         self.weights = weights
@@ -90,7 +105,8 @@ class StreamRunner(StepRunner):
 
     def forward(self, action: Action) -> float:
         self.weights[action.stage].acquire(action.microbatch)
-        return super().forward(action)
+        with accumulating_into(norm_slot(action.microbatch // self.minibatch_size)):
+            return super().forward(action)
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         module = self._modules[s]
@@ -127,4 +143,13 @@ class StreamRunner(StepRunner):
         self.weights[s].before_update()
         self.apply_update(s, n, grads)
         self.weights[s].version += 1
+        for norm in self.norms[s]:
+            norm.commit(norm_slot(n))
         return started
+
+    def discard_norm_stats(self, minibatches: int) -> None:
+        """Drop the statistics of mini-batches whose update never ran (a window that failed)."""
+        for norms in self.norms.values():
+            for norm in norms:
+                for n in range(minibatches):
+                    norm.discard(norm_slot(n))
