@@ -35,6 +35,15 @@ __all__ = ["DeferredBatchNorm", "accumulating_into", "convert_deferred_batch_nor
 _slot: ContextVar[Hashable] = ContextVar("fastpipe_deferred_batch_norm_slot", default=None)
 
 
+def _in_backward() -> bool:
+    """Whether this forward runs inside autograd's backward: the recompute of a
+    ``torch.utils.checkpoint`` within a stage, which fastpipe's own recompute flag does not
+    see. Its micro-batch was already counted by the first forward. torch has no public query
+    for this; without the private one, count as before."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 @contextlib.contextmanager
 def accumulating_into(slot: Hashable) -> Iterator[None]:
     """Within the block, this thread's DeferredBatchNorm forwards accumulate into ``slot``.
@@ -85,7 +94,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         if not (self.training and self.track_running_stats):
             return super().forward(input)
-        if not is_recomputing():
+        if not is_recomputing() and not _in_backward():
             self._accumulate(input, _slot.get())
         # Normalise with the micro-batch's own statistics; leave running stats alone.
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)

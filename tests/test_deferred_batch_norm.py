@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
@@ -89,3 +90,38 @@ def test_slots_accumulate_and_commit_apart():
     ref.commit()
     torch.testing.assert_close(dbn.running_var, ref.running_var)
     assert int(dbn.num_batches_tracked) == 2 and dbn._pending == {}
+
+
+class _Checkpointed(nn.Module):
+    """``inner`` under the user's own torch.utils.checkpoint: recomputed inside the backward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_an_inner_checkpoint_does_not_count_a_micro_batch_twice(checkpoint):
+    # The recompute of a torch.utils.checkpoint runs inside the backward, outside fastpipe's own
+    # recompute flag; it must not add the micro-batch's statistics a second time.
+    def model(wrap):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh())
+        return nn.Sequential(nn.Linear(4, 6), _Checkpointed(block) if wrap else block, nn.Linear(6, 2))
+
+    plain = Pipe(model(False), balance=[1, 2], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True)
+    inner = Pipe(model(True), balance=[1, 2], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True)
+    for step in range(3):
+        x, y = torch.randn(16, 4) * (step + 1), torch.randn(16, 2)
+        for pipe in (plain, inner):
+            pipe.train_step(x, y, nn.MSELoss())
+    want = {k.replace("1.", "", 1): v for k, v in plain.state_dict().items()}
+    got = {k.replace("1.inner.", "", 1): v for k, v in inner.state_dict().items()}
+    for key, value in want.items():
+        if "running" in key or "num_batches" in key:
+            assert torch.equal(got[key], value), key
+    bn = inner[1].inner[1]
+    assert int(bn.num_batches_tracked) == 3 and bn._pending == {}
