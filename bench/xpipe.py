@@ -14,6 +14,11 @@
    (F = 10 ms, B = 20 ms per micro-batch, sleeping: no CPU used), which measures the schedule
    and the runtime apart from CPU contention on a shared machine.
 
+3. The cost of one weight prediction on the measured workload's stage 0 (Adam state, fp32):
+   the direction followed by the subtraction (how it was computed before), against
+   :func:`fastpipe.asynchronous.predict_weights` into a reused buffer (one pass in
+   ``fastpipe._C`` here).
+
 Usage::
 
     python bench/xpipe.py --rounds 5 --json bench/out/xpipe.json
@@ -149,6 +154,39 @@ def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int, wor
             "methods": result}
 
 
+def prediction_cost(blocks: int, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds per prediction of stage 0's weights (half of ``blocks``) under Adam."""
+    from fastpipe.asynchronous import predict_weights, update_direction
+
+    torch.set_num_threads(1)
+    params = list(make_model(blocks)[: blocks // 2].parameters())
+    opt = torch.optim.Adam(params, lr=1e-5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    out = [torch.empty_like(p) for p in params]
+    totals = [3e-5] * len(params)
+
+    def before() -> None:
+        directions = update_direction(opt, params)
+        [p.detach() - 3e-5 * d for p, d in zip(params, directions) if d is not None]
+
+    def now() -> None:
+        predict_weights(opt, params, totals, out)
+
+    result = {"stage_mib": sum(p.numel() * p.element_size() for p in params) / 2**20}
+    for name, fn in (("direction_then_subtract_ms", before), ("predict_weights_ms", now)):
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        result[name] = statistics.median(samples) * 1e3
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -171,6 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, r in m["methods"].items():
             print(f"  {name:<32} {r['median_s_per_minibatch'] * 1e3:8.1f} ms/mini-batch   "
                   f"{r['speedup_vs_sync_1f1b']:.3f}x vs sync 1F1B (paired)")
+    cost = prediction_cost(args.blocks)
+    out["prediction_cost"] = cost
+    print(f"\none prediction of stage 0 ({cost['stage_mib']:.1f} MiB, Adam): "
+          f"{cost['direction_then_subtract_ms']:.1f} ms as direction then subtraction, "
+          f"{cost['predict_weights_ms']:.1f} ms with predict_weights (median of 20)")
     write_json(out, args.json)
 
 
