@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fastpipe.amp import distributed_loss_scale
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
@@ -230,7 +231,7 @@ class DistributedPipe(nn.Module):
         )
 
     def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-                   trace: bool = False) -> Tensor:
+                   scaler: torch.amp.GradScaler | None = None, trace: bool = False) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.
 
         ``input`` is read on stage 0's rank and ``target`` on the last stage's (both may be
@@ -238,6 +239,13 @@ class DistributedPipe(nn.Module):
         (averaged over data-parallel replicas). Returns the mini-batch loss, the same on
         every rank. With ``trace=True``, ``last_timeline`` holds this rank's actions of the
         step (its worker row; gather the ranks' timelines to see the whole pipeline).
+
+        ``scaler``: mixed precision's loss scaling, passed on every rank. The backward runs
+        on the scaled loss and the unscaled loss is returned; then ``scaler.step(opt);
+        scaler.update()`` on every rank. Over several ranks it must be a
+        ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` whose group holds them
+        all, so that an overflow on one rank skips the step on every rank (see
+        :mod:`fastpipe.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
         """
         runtime = self._runtime
         timeline = Timeline(runtime.size) if trace else None
@@ -280,12 +288,15 @@ class DistributedPipe(nn.Module):
         def checkpoint(m: int) -> bool:
             return mode == "always" or (mode == "except_last" and m < count - 1)
 
-        outcome = runtime.train(sched, microbatches, LossSpec(loss_fn, targets, weights), checkpoint=checkpoint,
-                                caller=CallerState.capture(), step_seed=step_seed)
+        scale = distributed_loss_scale(scaler, self.device, runtime)
+        outcome = runtime.train(sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]),
+                                checkpoint=checkpoint, caller=CallerState.capture(), step_seed=step_seed)
+        if scale != 1.0:
+            outcome.loss = outcome.loss / scale
         if self.deferred_batch_norm and self.training:
             for st in self._stages.values():
                 commit_deferred_batch_norm(st.module)
-        if outcome.nonfinite is not None:
+        if outcome.nonfinite is not None and scale == 1.0:
             if self.on_nan == "raise":
                 raise PipelineError(f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
                                     f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "

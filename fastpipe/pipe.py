@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from fastpipe.amp import loss_scale
 from fastpipe.balance import auto_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.microbatch import Value, batch_size, check_value, gather, replace_tensors, scatter, tensors_of
@@ -39,18 +40,6 @@ __all__ = ["Pipe", "CHECKPOINT_MODES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 Checkpoint = Literal["always", "except_last", "never"]
-
-def _loss_scale(scaler: Any, device: torch.device) -> float:
-    """The factor by which ``scaler`` scales the loss this step (1.0 without one)."""
-    if scaler is None:
-        return 1.0
-    if not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"fastpipe: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if not scaler.is_enabled():
-        return 1.0
-    # scaler.scale() also creates the scale on first use, which scaler.step() relies on.
-    return float(scaler.scale(torch.ones((), device=device)).item())
-
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     # The messages speak of Pipe's own arguments; build_for checks the rest.
@@ -330,7 +319,7 @@ class Pipe(nn.Module):
         def checkpoint(m: int) -> bool:
             return mode == "always" or (mode == "except_last" and m < count - 1)
 
-        scale = _loss_scale(scaler, self.devices[-1])
+        scale = loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
             sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]), checkpoint=checkpoint,
             caller=CallerState.capture(), step_seed=draw_step_seed(),

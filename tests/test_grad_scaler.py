@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from _dist_utils import check_ok, run_ranks
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
@@ -87,3 +88,102 @@ def test_disabled_scaler_changes_nothing():
     pipe.train_step(x, y, nn.MSELoss(), scaler=torch.amp.GradScaler("cpu", enabled=False))
     ref.train_step(x, y, nn.MSELoss())
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(pipe.parameters(), ref.parameters()))
+
+
+# -- DistributedPipe: ranks skip together ------------------------------------------------
+
+
+class _Overflow(torch.autograd.Function):
+    """x * w whose weight gradient is inf when ``flag[0]`` is set (the input gradient stays finite)."""
+
+    @staticmethod
+    def forward(ctx, x, w, flag):
+        ctx.save_for_backward(x, w)
+        ctx.flag = flag
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        gw = (grad * x).sum(0)
+        return grad * w, gw + float("inf") if ctx.flag[0] else gw, None
+
+
+class Overflowing(nn.Module):
+    def __init__(self, flag):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.flag = flag
+
+    def forward(self, x):
+        return _Overflow.apply(x, self.weight, self.flag)
+
+
+def _steps():
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(9, 4, generator=g), torch.randn(9, 2, generator=g)
+    x_inf = x.clone()
+    x_inf[4, 1] = float("inf")
+    y_nan = y.clone()
+    y_nan[7, 0] = float("nan")
+    return [(x, y), (x_inf, y), (x, y), (x, y_nan), (x, y)]
+
+
+def _scaled_ranks(rank, world, sharded):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fastpipe import DistributedPipe
+
+    torch.manual_seed(0)
+    flag = [False]
+    pipe = DistributedPipe(nn.Sequential(Overflowing(flag), *make_model()), [3, 3], chunks=3)
+    kind = ShardedGradScaler if sharded else torch.amp.GradScaler
+    scaler = kind("cpu", init_scale=2.0**12, growth_interval=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    out = {"losses": [], "scales": [], "states": []}
+    for step, (x, y) in enumerate(_steps() + _steps()[:1]):
+        flag[0] = step == 5  # only stage 0's (rank 0's) gradient overflows, in the last step
+        opt.zero_grad()
+        try:
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss(),
+                                   scaler=scaler)
+        except TypeError as exc:
+            return {"refused": str(exc)}
+        scaler.step(opt)
+        scaler.update()
+        out["losses"].append(loss.item())
+        out["scales"].append(scaler.get_scale())
+        out["states"].append({k: v.clone() for k, v in pipe.state_dict().items()})
+    pipe.close()
+    return out
+
+
+def test_distributed_scaler_steps_and_skips_like_one_process():
+    outcomes = check_ok(run_ranks(_scaled_ranks, 2, True, timeout=90))
+    torch.manual_seed(0)
+    flag = [False]
+    pipe = Pipe(nn.Sequential(Overflowing(flag), *make_model()), balance=[3, 3], chunks=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_steps() + _steps()[:1]):
+        flag[0] = step == 5
+        opt.zero_grad()
+        loss = pipe.train_step(x, y, nn.MSELoss(), scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
+        state = pipe.state_dict()
+        for rank, outcome in enumerate(outcomes):
+            assert outcome["scales"][step] == scaler.get_scale(), (rank, step)
+            got = outcome["losses"][step]
+            assert got == loss.item() or (got != got and loss.item() != loss.item()), (rank, step)  # NaN == NaN
+            for k, v in outcome["states"][step].items():
+                assert torch.equal(v, state[k]), (rank, step, k)
+    # Step 5 overflowed on rank 0 only; rank 1's stage was not stepped either.
+    assert all(torch.equal(outcomes[1]["states"][5][k], v) for k, v in outcomes[1]["states"][4].items())
+    assert outcomes[1]["scales"][5] == outcomes[1]["scales"][4] / 2
+
+
+def test_distributed_pipe_refuses_a_scaler_per_rank():
+    outcomes = check_ok(run_ranks(_scaled_ranks, 2, False, timeout=90))
+    for outcome in outcomes:
+        assert "ShardedGradScaler" in outcome["refused"], outcome
