@@ -252,10 +252,12 @@ LAYOUTS = {  # contiguous fp32 takes fastpipe._C's one pass; the others torch's 
     "fp32": lambda: torch.randn(64, 3),
     "transposed": lambda: torch.randn(3, 64).t(),
     "fp64": lambda: torch.randn(64, 3, dtype=torch.float64),
+    "cuda": lambda: torch.randn(64, 3, device="cuda"),  # torch's passes on the device
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.gpu) if k == "cuda" else k
+                                    for k in sorted(LAYOUTS)])
 @pytest.mark.parametrize("kind", sorted(PREDICTABLE))
 def test_predict_weights_is_w_minus_total_times_direction(kind: str, layout: str) -> None:
     # The fused arithmetic against the direction it rearranges.
