@@ -8,6 +8,8 @@ buffers. The plain model runs micro-batch by micro-batch with each (stage, micro
 task seeded as fastpipe seeds it (tests/_seeded_reference), which is how fastpipe defines
 dropout's equivalence; so dropout masks must be replayed by every recompute, bit for bit.
 
+fit(consistency="sync") is checked the same way against train_step + optimizer.step().
+
 Everything runs in float64, so rounding (summation order differs: micro-batch gradients
 are summed in the schedule's order, the fused Linear backward accumulates in the GEMM)
 sits near 1e-15 here, while the bound is about 1e-11 and any real bug (a wrong mask, a
@@ -295,6 +297,52 @@ def test_train_step_equals_plain(spec):
     ref, total = reference_step(spec, model, x, target, loss_fn)
     torch.testing.assert_close(loss, total, **TOL)
     assert_same_state(pipe, ref, f"train_step {spec['schedule']}")
+
+
+# -- Pipe.fit(consistency="sync"), with and without virtual stages ---------------------------
+
+
+@settings(max_examples=60, **PROFILE)
+@given(spec=specs(), window=st.integers(1, 3), minibatches=st.integers(1, 4))
+def test_fit_sync_equals_train_step_then_step(spec, window, minibatches):
+    # fit's flushed stream sums each stage's micro-batches in 1F1B's order (interleaved's with
+    # virtual stages), so it must equal train_step + optimizer.step() on those schedules bit for
+    # bit: losses, parameters and buffers. Dropout masks come from one step seed per window
+    # (per train_step in the reference), so dropout only with a window of one mini-batch.
+    model, x = build(spec)
+    sizes = usable(spec, x)
+    virtual = stages_for(spec)
+    assume(len(spec["balance"]) % virtual == 0)
+    assume(len(sizes) % (len(spec["balance"]) // virtual) == 0)  # Megatron's constraint
+    assume(not writes_into_its_input(spec))
+    if window > 1:
+        assume("dropout" not in spec["body"] and spec["front"] != "conv2d")
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    g = torch.Generator().manual_seed(spec["seed"])
+    batches = [(x * (1 + 0.25 * j) if x.is_floating_point() else x, torch.randn(len(x), 2, dtype=DTYPE, generator=g))
+               for j in range(minibatches)]
+    loss_fn = nn.MSELoss()
+
+    def fresh() -> tuple[Pipe, torch.optim.Optimizer]:
+        pipe = Pipe(copy.deepcopy(model), balance=spec["balance"], chunks=spec["chunks"],
+                    checkpoint=spec["checkpoint"], deferred_batch_norm=spec["deferred"], schedule=schedule,
+                    virtual_stages=virtual)
+        return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+
+    ref, opt = fresh()
+    torch.manual_seed(spec["seed"])
+    expected = []
+    for xb, yb in batches:
+        opt.zero_grad(set_to_none=True)
+        expected.append(ref.train_step(xb, yb, loss_fn))
+        opt.step()
+    pipe, opt2 = fresh()
+    torch.manual_seed(spec["seed"])
+    losses = list(pipe.fit(batches, loss_fn, opt2, consistency="sync", window=window))
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    got, want = pipe.state_dict(), ref.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
 
 
 # -- DistributedPipe on 2 gloo ranks --------------------------------------------------------
