@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from _fit_resume import whole_and_resumed
 from fp_tolerance import assert_close_reordered
 from torch import Tensor, nn
 
-import fastpipe
 from fastpipe import DeferredBatchNorm, Pipe
 from fastpipe.runtime.worker import is_recomputing
 
@@ -121,31 +121,14 @@ def test_a_failed_window_leaves_no_statistics_behind() -> None:
 
 @pytest.mark.parametrize("consistency", ["predict", "stash"])
 def test_mid_stream_save_and_resume(consistency: str, tmp_path: os.PathLike) -> None:
-    batches = data(8)
-    path = os.path.join(tmp_path, "ckpt.pt")
-
     def fresh() -> tuple[Pipe, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         pipe = Pipe(model(), balance=[3, 3, 3], chunks=2, deferred_batch_norm=True)
         opt = torch.optim.Adam(pipe.parameters(), lr=2e-2)
         return pipe, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
-    whole_pipe, opt, sched = fresh()
-    whole = [loss.item() for loss in whole_pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency,
-                                                    scheduler=sched, window=2)]
-    pipe, opt, sched = fresh()
-    run = pipe.fit(batches[:4], nn.MSELoss(), opt, consistency=consistency, scheduler=sched, window=2)
-    first = [loss.item() for loss in run]
-    assert run.steps % run.window == 0  # a drained point: every mini-batch's statistics committed
-    fastpipe.save(pipe, path, opt)
-    sched_state = sched.state_dict()
-
-    pipe, opt, sched = fresh()
-    fastpipe.load(path, pipe, opt)
-    sched.load_state_dict(sched_state)
-    rest = [loss.item() for loss in pipe.fit(batches[4:], nn.MSELoss(), opt, consistency=consistency,
-                                             scheduler=sched, window=2)]
-    assert first + rest == whole
-    assert_stats_equal(pipe, whole_pipe)
+    whole, whole_pipe, resumed, pipe = whole_and_resumed(fresh, data(8), consistency, tmp_path)
+    assert resumed == whole
+    assert_stats_equal(pipe, whole_pipe)  # running statistics included: every mini-batch's committed
     assert any(k.endswith("running_mean") for k in pipe.state_dict())
 
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from _fit_resume import whole_and_resumed
 from torch import Tensor, nn
 
-import fastpipe
 from fastpipe import Pipe
 from fastpipe.asynchronous import predict_weights, update_direction, weight_copy_bytes
 from fastpipe.asynchronous.weights import StageWeights
@@ -343,30 +343,13 @@ def test_bad_arguments_are_refused() -> None:
 
 @pytest.mark.parametrize("consistency", ["predict", "stash"])
 def test_mid_stream_save_and_resume(consistency: str, tmp_path: os.PathLike) -> None:
-    batches = data(8)
-    path = os.path.join(tmp_path, "ckpt.pt")
-
     def fresh() -> tuple[Pipe, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         pipe = Pipe(model(), balance=[2, 2, 3], chunks=2)
         opt = torch.optim.Adam(pipe.parameters(), lr=2e-2)
         return pipe, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
-    pipe, opt, sched = fresh()
-    whole = [loss.item() for loss in pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency,
-                                              scheduler=sched, window=2)]
-    pipe, opt, sched = fresh()
-    run = pipe.fit(batches[:4], nn.MSELoss(), opt, consistency=consistency, scheduler=sched, window=2)
-    first = [loss.item() for loss in run]
-    assert run.steps % run.window == 0  # a drained point: nothing in flight
-    fastpipe.save(pipe, path, opt)
-    sched_state = sched.state_dict()
-
-    pipe, opt, sched = fresh()
-    fastpipe.load(path, pipe, opt)
-    sched.load_state_dict(sched_state)
-    rest = [loss.item() for loss in pipe.fit(batches[4:], nn.MSELoss(), opt, consistency=consistency,
-                                             scheduler=sched, window=2)]
-    assert first + rest == whole
+    whole, _, resumed, _ = whole_and_resumed(fresh, data(8), consistency, tmp_path)
+    assert resumed == whole
 
 
 def test_weight_copy_bytes_match_the_schedule() -> None:
