@@ -55,9 +55,11 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
         ValueError: the ranks' scalers scale by different factors (the same on every rank).
     """
     scale = loss_scale(scaler, device)
+    if scaler is None or not scaler.is_enabled():
+        return scale  # the common case: no lookups, no collective
     groups = [g for g in (runtime.group, runtime.dp_group) if g is not None]
     needed = set().union(*(_ranks(g) for g in groups))
-    if scaler is None or not scaler.is_enabled() or len(needed) == 1:
+    if len(needed) == 1:
         return scale
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
