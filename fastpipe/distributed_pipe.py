@@ -289,14 +289,15 @@ class DistributedPipe(nn.Module):
             return mode == "always" or (mode == "except_last" and m < count - 1)
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
+        scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
         outcome = runtime.train(sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]),
                                 checkpoint=checkpoint, caller=CallerState.capture(), step_seed=step_seed)
-        if scale != 1.0:
+        if scaling:
             outcome.loss = outcome.loss / scale
         if self.deferred_batch_norm and self.training:
             for st in self._stages.values():
                 commit_deferred_batch_norm(st.module)
-        if outcome.nonfinite is not None and scale == 1.0:
+        if outcome.nonfinite is not None and not scaling:
             if self.on_nan == "raise":
                 raise PipelineError(f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
                                     f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "

@@ -187,3 +187,26 @@ def test_distributed_pipe_refuses_a_scaler_per_rank():
     outcomes = check_ok(run_ranks(_scaled_ranks, 2, False, timeout=90))
     for outcome in outcomes:
         assert "ShardedGradScaler" in outcome["refused"], outcome
+
+
+def _scale_one(rank, world):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fastpipe import DistributedPipe
+
+    torch.manual_seed(0)
+    pipe = DistributedPipe(make_model(), [2, 3], chunks=3)  # on_nan="raise" by default
+    scaler = ShardedGradScaler("cpu", init_scale=1.0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = _steps()[1]  # an inf input: a non-finite loss
+    loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss(), scaler=scaler)
+    scaler.step(opt)
+    scaler.update()
+    pipe.close()
+    return {"finite": bool(torch.isfinite(loss)), "scale": scaler.get_scale()}
+
+
+def test_a_scale_of_one_is_still_the_scalers_to_skip():
+    # A scaler whose scale backed off to 1.0 is still in charge of non-finite steps (not on_nan).
+    for outcome in check_ok(run_ranks(_scale_one, 2, timeout=60)):
+        assert outcome == {"finite": False, "scale": 0.5}
