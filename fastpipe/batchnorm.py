@@ -35,13 +35,16 @@ __all__ = ["DeferredBatchNorm", "accumulating_into", "convert_deferred_batch_nor
 _slot: ContextVar[Hashable] = ContextVar("fastpipe_deferred_batch_norm_slot", default=None)
 
 
+# torch has no public query for whether autograd's backward is running in this thread;
+# without the private one (another torch version), _in_backward is always False.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """Whether this forward runs inside autograd's backward: the recompute of a
     ``torch.utils.checkpoint`` within a stage, which fastpipe's own recompute flag does not
-    see. Its micro-batch was already counted by the first forward. torch has no public query
-    for this; without the private one, count as before."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
+    see. Its micro-batch was already counted by the first forward."""
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 @contextlib.contextmanager

@@ -44,7 +44,6 @@ class DistributedFitRun(FitRun):
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, *args, **kwargs)
         self.runtime: Any = pipe._runtime
-        self.num_workers = self.runtime.size  # fewer than the stages: virtual stages, interleaved
 
     def _fail(self, exc: BaseException) -> None:
         runtime = self.runtime

@@ -34,7 +34,7 @@ from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.stream import build_stream, update_lag, weight_versions
 
-__all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
+__all__ = ["FitRun", "RunnerFactory", "Window", "fit", "workers_of"]
 
 RunnerFactory = Callable[[Mapping[int, Stage], int, Transport, StepState], StreamRunner]
 
@@ -91,8 +91,7 @@ class FitRun(Iterator[Tensor]):
         stages: Any = pipe._stages
         self.stages: dict[int, Stage] = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
         self.num_stages = len(pipe.balance)  # type: ignore[arg-type]
-        # Virtual stages (schedule="interleaved", virtual_stages=v): stage s on worker s % (K/v).
-        self.num_workers = self.num_stages // getattr(pipe, "virtual_stages", 1)
+        self.num_workers = workers_of(pipe)
         self.chunks: int = pipe.chunks  # type: ignore[assignment]
         self.checkpoint_mode: str = pipe.checkpoint  # type: ignore[assignment]
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -241,9 +240,10 @@ class FitRun(Iterator[Tensor]):
 
         try:
             losses = self._execute(schedule, window, make_runner)
-        finally:
-            for runner in made:  # after a failure: the statistics of mini-batches never updated
+        except BaseException:
+            for runner in made:  # the statistics of mini-batches whose update never ran
                 runner.discard_norm_stats(n)
+            raise
         for s, w in weights.items():
             self.weight_copy_bytes[s] = max(self.weight_copy_bytes[s], w.peak_copy_bytes)
         self._pending.extend(losses)
@@ -295,6 +295,13 @@ class FitRun(Iterator[Tensor]):
             return predict_weights(optimizer, params, totals, out)
 
         return predict
+
+
+def workers_of(pipe: Any) -> int:
+    """The workers that run ``pipe``'s stages: a DistributedPipe's ranks, a Pipe's stages over
+    its ``virtual_stages`` (fewer workers than stages: stage s on worker s % workers)."""
+    ranks = getattr(getattr(pipe, "_runtime", None), "size", None)
+    return int(ranks) if ranks else len(pipe.balance) // getattr(pipe, "virtual_stages", 1)
 
 
 def fit(pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],

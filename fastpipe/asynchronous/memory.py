@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastpipe.asynchronous.fit import workers_of
 from fastpipe.asynchronous.weights import POLICIES
 from fastpipe.schedule.stream import build_stream, weight_versions
 
@@ -27,8 +28,7 @@ def weight_copy_bytes(pipe: Any, chunks: int | None = None) -> dict[str, dict[in
     owned = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
     k = len(pipe.balance)
     m = pipe.chunks if chunks is None else chunks
-    # Fewer workers than stages: virtual stages (a DistributedPipe's ranks, a Pipe's virtual_stages).
-    workers = getattr(getattr(pipe, "_runtime", None), "size", None) or k // getattr(pipe, "virtual_stages", 1)
+    workers = workers_of(pipe)
     n = k + 2  # K + 2 mini-batches reach steady state
     while (n * m) % workers:  # the interleaved order needs a multiple of the workers
         n += 1
