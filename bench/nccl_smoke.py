@@ -61,7 +61,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, gpu_of: list[int], sc
         for name, v in schedules:
             balance = [8 // (world * v)] * (world * v)
             pipe = DistributedPipe(_model(), balance, chunks=4, schedule=name, timeout=30)
-            transport = type(pipe._runtime.transport).__name__
+            transport = type(pipe.runtime.transport).__name__
             start = time.perf_counter()
             for _ in range(2):  # the second step reuses buffers and plans
                 for p in pipe.parameters():

@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-import fastpipe.runtime.local as local_runtime
+import fastpipe.runtime.step as step_core
 from fastpipe import Pipe
 
 LAYERS, WIDTH, BATCH, CHUNKS = 150, 16, 32, 4
@@ -71,7 +71,7 @@ def main() -> None:
     x = torch.randn(BATCH, WIDTH)
     half = LAYERS // 2
     def always() -> contextlib.AbstractContextManager[object]:
-        return mock.patch.object(local_runtime, "may_draw", lambda *a, **k: True)
+        return mock.patch.object(step_core, "may_draw", lambda *a, **k: True)
 
     shipped = contextlib.nullcontext
     variants: dict[str, tuple[Callable[[], None], Callable[[], contextlib.AbstractContextManager[object]]]] = {

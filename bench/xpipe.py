@@ -44,7 +44,7 @@ from report import write_json  # noqa: E402
 from workload import HIDDEN, make_model  # noqa: E402
 
 from fastpipe import Pipe  # noqa: E402
-from fastpipe.schedule.stream import steady_state_time  # noqa: E402
+from fastpipe.schedule.multistep import steady_state_time  # noqa: E402
 
 LOSS = nn.MSELoss()
 

@@ -6,10 +6,10 @@ gradients as the plain model.
 """
 
 from fastpipe.batchnorm import DeferredBatchNorm
-from fastpipe.checkpoint import load, save
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
+from fastpipe.serialization import load, save
 
 __version__ = "0.1.0"
 

@@ -79,7 +79,7 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
     both = torch.tensor([scale, -scale], dtype=torch.float64, device=runtime.comm_device)
     for group in groups:
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        runtime._collective(work, "the loss scale check")
+        runtime.wait_collective(work, "the loss scale check")
     high, low = float(both[0]), -float(both[1])
     if high != low:
         raise ValueError(f"fastpipe: the ranks' GradScalers scale the loss by different factors ({low:g} to "

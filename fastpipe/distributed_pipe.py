@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fastpipe.amp import distributed_loss_scale
+from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
@@ -40,16 +41,25 @@ from fastpipe.partition import (
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
-from fastpipe.runtime.local import LossSpec, Stage
 from fastpipe.runtime.param_hooks import accumulate_grads
+from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
+from fastpipe.step_rules import (
+    Checkpoint,
+    check_checkpoint,
+    check_chunks,
+    check_loss_fn,
+    checkpoint_predicate,
+    loss_reduction,
+    loss_weights,
+    split_targets,
+)
 from fastpipe.trace import Timeline
 
 __all__ = ["DistributedPipe"]
 
-Checkpoint = Literal["always", "except_last", "never"]
 StageBuilder = Callable[[int], nn.Module]
 
 
@@ -119,8 +129,8 @@ class DistributedPipe(nn.Module):
         super().__init__()
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"fastpipe: chunks must be an int >= 1, got {chunks!r}")
+        check_chunks(chunks)
+        check_checkpoint(checkpoint)
         group, dp = _groups(process_group, mesh, dp_group)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         balance = list(balance)
@@ -210,6 +220,16 @@ class DistributedPipe(nn.Module):
         return {s: st.module for s, st in self._stages.items()}
 
     @property
+    def runtime(self) -> DistributedRuntime:
+        """The driver that runs this rank's share of every schedule (its ``stages`` are this rank's)."""
+        return self._runtime
+
+    @property
+    def num_workers(self) -> int:
+        """The pipeline's ranks (one worker each; stage s on rank s % ranks)."""
+        return self._runtime.size
+
+    @property
     def timeout(self) -> float:
         """The bound in seconds on every wait of this pipeline's ranks."""
         return self._runtime.timeout
@@ -247,10 +267,9 @@ class DistributedPipe(nn.Module):
         all, so that an overflow on one rank skips the step on every rank (see
         :mod:`fastpipe.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
         """
+        check_loss_fn(loss_fn)
         runtime = self._runtime
-        timeline = Timeline(runtime.size) if trace else None
-        runtime.recorder = timeline.record if timeline is not None else None
-        self.last_timeline = timeline
+        self.last_timeline = runtime.start_timeline(trace)
         microbatches: list[Value] | None = None
         sizes: list[int] | None = None
         if self.is_first:
@@ -266,27 +285,19 @@ class DistributedPipe(nn.Module):
         sizes, step_seed = runtime.broadcast_sizes(sizes, self.chunks, draw_step_seed() if self.is_first else 0)
         count = len(sizes)
         targets: list[Any] = [None] * count
-        reduction = getattr(loss_fn, "reduction", "mean")
         if self.is_last:
             try:
-                if target is not None:
-                    check_value(target, "target")
-                    targets = scatter(_to(target, self.device), self.chunks)
-                    if [batch_size(t, "target") for t in targets] != sizes:
-                        raise ValueError(f"fastpipe: target micro-batch sizes differ from the input's {sizes}")
-                if reduction not in ("mean", "sum"):
-                    raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; train_step needs 'mean' or 'sum'")
+                targets = split_targets(_to(target, self.device), self.chunks, sizes)
+                loss_reduction(loss_fn, "train_step")
             except BaseException as exc:
                 stage = len(self.balance) - 1
                 runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised "
                                       f"{type(exc).__name__}: {exc}")
                 raise
-        weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * count
+        # Every rank weighs alike; only the last one, which runs the loss, refuses a bad reduction.
+        weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
         sched = build_for(self.schedule, len(self.balance), runtime.size, count)
-        mode = self.checkpoint if self.training else "never"
-
-        def checkpoint(m: int) -> bool:
-            return mode == "always" or (mode == "except_last" and m < count - 1)
+        checkpoint = checkpoint_predicate(self.checkpoint, self.training, count)
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
@@ -318,10 +329,8 @@ class DistributedPipe(nn.Module):
         every rank yields the same losses. With data parallelism each stage's update averages
         its gradient over the replicas first.
         """
-        from fastpipe.asynchronous.fit import fit
-
-        return fit(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                   max_grad_norm=max_grad_norm, window=window, trace=trace)
+        return DistributedFitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                                 max_grad_norm=max_grad_norm, window=window, trace=trace)
 
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""

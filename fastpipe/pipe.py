@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from fastpipe.amp import loss_scale
+from fastpipe.asynchronous.fit import FitRun
 from fastpipe.balance import auto_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from fastpipe.microbatch import Value, batch_size, check_value, gather, replace_tensors, scatter, tensors_of
+from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of
 from fastpipe.partition import (
     MOVE_REFUSED,
     Device,
@@ -29,17 +28,28 @@ from fastpipe.partition import (
     split,
 )
 from fastpipe.rng import draw_step_seed
-from fastpipe.runtime.local import LocalRuntime, LossSpec, Stage, StepState
+from fastpipe.runtime.autograd_node import NodeRun, PipelineNode
 from fastpipe.runtime.param_hooks import accumulate_grads
+from fastpipe.runtime.step import LossSpec, Stage
+from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for
+from fastpipe.step_rules import (
+    CHECKPOINT_MODES,
+    Checkpoint,
+    check_checkpoint,
+    check_chunks,
+    check_loss_fn,
+    checkpoint_predicate,
+    loss_reduction,
+    loss_weights,
+    split_targets,
+)
 from fastpipe.trace import Timeline
 
 __all__ = ["Pipe", "CHECKPOINT_MODES"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-Checkpoint = Literal["always", "except_last", "never"]
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     # The messages speak of Pipe's own arguments; build_for checks the rest.
@@ -74,7 +84,8 @@ class Pipe(nn.Module):
             or CPU for every stage when there is no GPU.
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a
             smaller last micro-batch; a batch that yields fewer micro-batches runs with
-            fewer, with a one-time warning.
+            fewer, with a one-time warning. The default, 1, does not pipeline: pass the
+            number of micro-batches (at least the number of stages) to overlap the stages.
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last are
             recomputed in backward) or ``"never"``. There is no recomputation in ``eval()``.
             Recomputation replays dropout bit for bit: every (stage, micro-batch) draws from
@@ -92,34 +103,14 @@ class Pipe(nn.Module):
         memory_limit: with ``balance="auto"``: the most bytes (activations of all
             micro-batches in flight plus parameters, gradients and optimizer state) one
             stage may need.
-        process_group, mesh: run one stage per process over ``torch.distributed`` instead
-            (launch with ``torchrun``): ``Pipe(...)`` then returns a
-            :class:`fastpipe.DistributedPipe`, which keeps only this rank's layers and trains
-            with :meth:`~fastpipe.DistributedPipe.train_step` (its extra keywords, e.g.
-            ``timeout``, ``on_nan``, ``dp_group``, pass through).
+        process_group, mesh: refused with a pointer to :class:`fastpipe.DistributedPipe`,
+            which runs one stage per process over ``torch.distributed`` (``torchrun``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
         ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid, or a
             parameter/module is shared between two stages.
     """
-
-    def __new__(cls, *args: Any, process_group: Any = None, mesh: Any = None, **kwargs: Any) -> Any:
-        """With ``process_group=`` or ``mesh=``: one process per stage, a :class:`DistributedPipe`."""
-        if process_group is not None or mesh is not None:
-            from fastpipe.distributed_pipe import DistributedPipe
-
-            local_only = sorted(set(kwargs) & {"devices", "trace", "sample", "memory_limit", "virtual_stages"})
-            if args[1:2] == ("auto",) or kwargs.get("balance") == "auto":
-                local_only.append("balance='auto'")
-            if local_only:
-                raise TypeError(
-                    f"fastpipe: with process_group=/mesh= each rank runs its own stage on its own device, so "
-                    f"{', '.join(local_only)} does not apply; give balance as a list, the device with device=, and "
-                    "virtual stages by len(balance) = K * v with schedule='interleaved'"
-                )
-            return DistributedPipe(*args, process_group=process_group, mesh=mesh, **kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -139,12 +130,16 @@ class Pipe(nn.Module):
         mesh: Any = None,
     ) -> None:
         super().__init__()
+        if process_group is not None or mesh is not None:
+            raise TypeError(
+                "fastpipe: Pipe runs every stage in this process; for one stage per process over torch.distributed "
+                "(torchrun), build fastpipe.DistributedPipe(model, balance, chunks=..., process_group=...) "
+                "(or mesh=...) on every rank instead"
+            )
         module = check_module(module)
         check_materialised(module)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"fastpipe: chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"fastpipe: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        check_chunks(chunks)
+        check_checkpoint(checkpoint)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         if not isinstance(balance, str):
@@ -232,14 +227,9 @@ class Pipe(nn.Module):
         )
         caller = CallerState.capture()
         step_seed = draw_step_seed()
-        self._start_timeline(self.trace, len(self._stages))
+        self.last_timeline = self._runtime.start_timeline(self.trace, len(self._stages))
         schedule = _schedule("gpipe", len(self._stages), len(microbatches), 1)
-        count = len(microbatches)
-        mode = self.checkpoint if self.training else "never"
-
-        def checkpoint(m: int) -> bool:
-            return mode == "always" or (mode == "except_last" and m < count - 1)
-
+        checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(microbatches))
         if not grad:
             outputs, _ = self._runtime.forward(
                 schedule, microbatches, grad=False, checkpoint=checkpoint, caller=caller, step_seed=step_seed
@@ -248,8 +238,9 @@ class Pipe(nn.Module):
             return gather(outputs)
 
         inputs = tensors_of(input)
-        run = _Run(self, schedule, microbatches, checkpoint, caller, step_seed, [t.device for t in inputs], params)
-        flat = _PipelineFunction.apply(run, *inputs, *params)
+        run = NodeRun(self._runtime, self._after_forward, schedule, microbatches, checkpoint, caller, step_seed,
+                      [t.device for t in inputs])
+        flat = PipelineNode.apply(run, *inputs, *params)
         return replace_tensors(run.output_structure, flat)
 
     def train_step(
@@ -288,37 +279,18 @@ class Pipe(nn.Module):
                 then ``scaler.step(opt); scaler.update()`` as usual.
         """
         check_input(input)
-        if not callable(loss_fn):
-            raise TypeError(f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
-                            f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()")
+        check_loss_fn(loss_fn)
         microbatches = scatter(input, self.chunks)
-        count = len(microbatches)
-        targets: list[Any] = [None] * count
-        if target is not None:
-            check_value(target, "target")
-            targets = scatter(target, self.chunks)
-            if [batch_size(t, "target") for t in targets] != [batch_size(x) for x in microbatches]:
-                raise ValueError(
-                    f"fastpipe: target batch size {batch_size(target, 'target')} differs from the input's "
-                    f"{batch_size(input)}; give one target row per input row (they are split into "
-                    "micro-batches together)"
-                )
-            # loss_fn runs on the last stage, so the targets go where its output is.
-            last = self.devices[-1]
-            targets = [replace_tensors(t, [v.to(last) for v in tensors_of(t)]) for t in targets]
         sizes = [batch_size(x) for x in microbatches]
-        reduction = getattr(loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; train_step needs 'mean' or 'sum'")
-        weights = [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * count
-        sched = _schedule(self.schedule if schedule is None else schedule, len(self._stages), count,
+        # loss_fn runs on the last stage, so the targets go where its output is.
+        last = self.devices[-1]
+        targets = [t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)])
+                   for t in split_targets(target, self.chunks, sizes)]
+        weights = loss_weights(loss_reduction(loss_fn, "train_step"), sizes)
+        sched = _schedule(self.schedule if schedule is None else schedule, len(self._stages), len(sizes),
                           self.virtual_stages if virtual_stages is None else virtual_stages)
-        self._start_timeline(self.trace if trace is None else trace, sched.num_workers)
-        mode = self.checkpoint if self.training else "never"
-
-        def checkpoint(m: int) -> bool:
-            return mode == "always" or (mode == "except_last" and m < count - 1)
-
+        self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
+        checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(sizes))
         scale = loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
             sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]), checkpoint=checkpoint,
@@ -376,91 +348,22 @@ class Pipe(nn.Module):
         they equal ``train_step``'s. Running statistics are buffers, not parameters, so the
         weight versions of ``"stash"`` and ``"predict"`` do not version them.
         """
-        from fastpipe.asynchronous.fit import fit
+        return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                      max_grad_norm=max_grad_norm, window=window, trace=trace)
 
-        return fit(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                   max_grad_norm=max_grad_norm, window=window, trace=trace)
+    # -- what fit and tools read --------------------------------------------------------
 
-    def _start_timeline(self, enabled: bool, workers: int) -> None:
-        timeline = Timeline(workers) if enabled else None
-        self._runtime.recorder = timeline.record if timeline is not None else None
-        self.last_timeline = timeline
+    @property
+    def runtime(self) -> LocalRuntime:
+        """The thread driver that runs this pipe's schedules (its ``stages`` are the pipe's)."""
+        return self._runtime
+
+    @property
+    def num_workers(self) -> int:
+        """Worker threads: one per stage, or per ``virtual_stages`` stages (stage s on worker s % workers)."""
+        return len(self.balance) // self.virtual_stages
 
     def _after_forward(self) -> None:
         if self.deferred_batch_norm and self.training:
             for s in self._stages:
                 commit_deferred_batch_norm(s.module)
-
-
-@dataclass
-class _Run:
-    """Carries one step's arguments into and out of the autograd Function."""
-
-    pipe: Pipe
-    schedule: Schedule
-    microbatches: list[Value]
-    checkpoint: Callable[[int], bool]
-    caller: CallerState
-    step_seed: int
-    input_devices: list[torch.device]
-    params: list[nn.Parameter]
-    output_structure: Value = ()
-    state: StepState | None = None
-    output_sizes: list[int] = field(default_factory=list)
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """The whole pipeline as one autograd node.
-
-    Its backward runs every stage's backward in that stage's worker (see
-    :mod:`fastpipe.runtime.local`), instead of letting autograd's single CPU thread walk
-    one graph stitched across stages.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, run: _Run, *tensors: Tensor) -> Any:
-        outputs, state = run.pipe._runtime.forward(
-            run.schedule, run.microbatches, grad=True, checkpoint=run.checkpoint, caller=run.caller,
-            step_seed=run.step_seed,
-        )
-        run.pipe._after_forward()
-        run.microbatches = []  # the state holds what backward needs
-        run.state = state
-        run.output_sizes = [tensors_of(o)[0].size(0) for o in outputs]
-        joined = gather(outputs)
-        run.output_structure = joined
-        flat = tensors_of(joined)
-        ctx.run = run
-        ctx.mark_non_differentiable(*[t for t in flat if not (t.is_floating_point() or t.is_complex())])
-        return tuple(flat)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, *grads: Tensor | None) -> Any:
-        run: _Run = ctx.run
-        assert run.state is not None
-        per_mb: list[list[Tensor | None]] = [[] for _ in run.output_sizes]
-        for g in grads:
-            pieces = [None] * len(run.output_sizes) if g is None else list(g.split(run.output_sizes, dim=0))
-            for m, piece in enumerate(pieces):
-                per_mb[m].append(piece)
-        # autograd runs this node on the engine thread of its gradients' device; on a
-        # device thread the GPU stages' backwards must run here (see runtime.inline).
-        on_device_thread = any(g is not None and g.device.type != "cpu" for g in grads)
-        input_grads, param_grads = run.pipe._runtime.backward(run.state, per_mb, on_device_thread=on_device_thread)
-        flat_params = [g for stage in param_grads for g in stage]
-        return (None, *join_input_grads(input_grads, run.input_devices), *flat_params)
-
-
-def join_input_grads(input_grads: Sequence[Sequence[Tensor | None]],
-                     devices: Sequence[torch.device]) -> list[Tensor | None]:
-    """One gradient per input tensor, joined over micro-batches, on that input's device.
-
-    Stage 0 computes them on its own device; autograd wants each where its input lives
-    (e.g. a CPU batch fed to a pipeline whose first stage is on a GPU).
-    """
-    joined: list[Tensor | None] = []
-    for i, device in enumerate(devices):
-        parts = [g for mb in input_grads if (g := mb[i]) is not None]
-        joined.append(torch.cat(parts).to(device) if parts and len(parts) == len(input_grads) else None)
-    return joined

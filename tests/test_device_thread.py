@@ -2,8 +2,8 @@
 
 On a GPU, ``Pipe``'s backward node runs on autograd's device thread, and a stage worker
 that called autograd on that device's tensors would deadlock. There the calling thread
-runs the GPU stages' backward itself. ``FASTPIPE_SIMULATE_DEVICE_STAGES`` makes a CPU
-run take that path for the named stages, so these tests check that it gives the very
+runs the GPU stages' backward itself. ``LocalRuntime``'s ``simulated_device_stages`` makes a
+CPU run take that path for the named stages, so these tests check that it gives the very
 numbers of the threaded path, that no worker of a "GPU" stage ever calls autograd, and
 that failures inside it neither hang nor leak threads.
 """
@@ -18,6 +18,7 @@ from torch import nn
 
 from fastpipe import DeferredBatchNorm, Pipe
 from fastpipe.runtime import inline
+from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import live_worker_threads
 from fastpipe.schedule.builders import build_for
 
@@ -31,12 +32,19 @@ def model(p=0.0):
 BALANCE = {2: [4, 5], 3: [3, 3, 3]}
 
 
-def run(net, stages, checkpoint, simulate, monkeypatch, x, balance=None, **kwargs):
-    if simulate is None:
-        monkeypatch.delenv(inline.SIMULATE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(inline.SIMULATE_ENV, simulate)
+def simulated(pipe, stages):
+    """Run ``stages`` ("all" or "0,2") of ``pipe`` as if on a GPU, on the device-thread path."""
+    n = len(pipe.balance)
+    pipe.runtime.simulated_device_stages = (
+        frozenset(range(n)) if stages == "all" else frozenset(int(s) for s in stages.split(","))
+    )
+    return pipe
+
+
+def run(net, stages, checkpoint, simulate, x, balance=None, **kwargs):
     pipe = Pipe(net, balance=balance or BALANCE[stages], chunks=4, checkpoint=checkpoint, **kwargs)
+    if simulate is not None:
+        simulated(pipe, simulate)
     xp = x.clone().requires_grad_()
     out = pipe(xp)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
@@ -45,12 +53,12 @@ def run(net, stages, checkpoint, simulate, monkeypatch, x, balance=None, **kwarg
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("stages,simulate", [(2, "all"), (2, "1"), (2, "0"), (3, "0,2"), (3, "1")])
-def test_same_numbers_as_threaded_path(stages, simulate, checkpoint, monkeypatch, autograd_threads):
+def test_same_numbers_as_threaded_path(stages, simulate, checkpoint, autograd_threads):
     x = torch.randn(16, 12)
-    out, gx, grads, _ = run(model(0.2), stages, checkpoint, None, monkeypatch, x)
+    out, gx, grads, _ = run(model(0.2), stages, checkpoint, None, x)
     threaded = set(autograd_threads) - {threading.current_thread().name}  # less the test's own backward()
     autograd_threads.clear()
-    out2, gx2, grads2, _ = run(model(0.2), stages, checkpoint, simulate, monkeypatch, x)
+    out2, gx2, grads2, _ = run(model(0.2), stages, checkpoint, simulate, x)
     # The same handlers on the same data in the same per-stage order: the same bits.
     assert torch.equal(out, out2) and torch.equal(gx, gx2)
     for a, b in zip(grads, grads2):
@@ -63,11 +71,11 @@ def test_same_numbers_as_threaded_path(stages, simulate, checkpoint, monkeypatch
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_matches_plain_model(checkpoint, monkeypatch):
+def test_matches_plain_model(checkpoint):
     net = model()
     ref = copy.deepcopy(net)
     x = torch.randn(16, 12)
-    out, gx, grads, _ = run(net, 2, checkpoint, "all", monkeypatch, x)
+    out, gx, grads, _ = run(net, 2, checkpoint, "all", x)
     xr = x.clone().requires_grad_()
     out_ref = ref(xr)
     (out_ref * torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)).sum().backward()
@@ -77,7 +85,7 @@ def test_matches_plain_model(checkpoint, monkeypatch):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_autocast_and_deferred_batch_norm(monkeypatch):
+def test_autocast_and_deferred_batch_norm():
     def net():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
@@ -87,7 +95,7 @@ def test_autocast_and_deferred_batch_norm(monkeypatch):
     results = []
     for simulate in (None, "all"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, gx, grads, pipe = run(net(), 2, "except_last", simulate, monkeypatch, x, balance=[3, 3],
+            out, gx, grads, pipe = run(net(), 2, "except_last", simulate, x, balance=[3, 3],
                                        deferred_batch_norm=True)
         assert out.dtype == torch.bfloat16
         stats = [b.running_mean.clone() for b in pipe.modules() if isinstance(b, DeferredBatchNorm)]
@@ -97,13 +105,12 @@ def test_autocast_and_deferred_batch_norm(monkeypatch):
         assert torch.equal(u, v)
 
 
-def test_split_backward_schedule_inline(monkeypatch, autograd_threads):
+def test_split_backward_schedule_inline(autograd_threads):
     # Pipe.forward runs GPipe; the inline runner also takes zero-bubble's B and W.
-    monkeypatch.setenv(inline.SIMULATE_ENV, "all")
     net = model()
     ref = copy.deepcopy(net)
-    pipe = Pipe(net, balance=[4, 5], chunks=4, checkpoint="never")
-    runtime, mbs = pipe._runtime, list(torch.randn(16, 12).chunk(4))
+    pipe = simulated(Pipe(net, balance=[4, 5], chunks=4, checkpoint="never"), "all")
+    runtime, mbs = pipe.runtime, list(torch.randn(16, 12).chunk(4))
     schedule = build_for("zb-h1", 2, 2, 4)
     from fastpipe.runtime.worker import CallerState
 
@@ -137,13 +144,12 @@ class _Fail(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("failing,simulate", [(1, "all"), (0, "all"), (1, "1"), (0, "1"), (1, "0")])
-def test_failure_inside_inline_backward(failing, simulate, monkeypatch):
-    monkeypatch.setenv(inline.SIMULATE_ENV, simulate)
+def test_failure_inside_inline_backward(failing, simulate):
     gc.collect()  # earlier tests' pipes stop their workers when collected
     before = live_worker_threads()
     layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
     layers.insert(1 if failing == 0 else 3, Boom("backward"))
-    pipe = Pipe(nn.Sequential(*layers), balance=[2, 2], chunks=4)
+    pipe = simulated(Pipe(nn.Sequential(*layers), balance=[2, 2], chunks=4), simulate)
     for _ in range(2):  # the pipe stays usable after a failure
         out = pipe(torch.randn(8, 4))
         with pytest.raises(ValueError, match="boom in backward") as info:
@@ -153,10 +159,9 @@ def test_failure_inside_inline_backward(failing, simulate, monkeypatch):
     assert live_worker_threads() == before
 
 
-def test_backward_from_another_thread(monkeypatch, autograd_threads):
+def test_backward_from_another_thread(autograd_threads):
     # The thread that runs the node plays autograd's device thread.
-    monkeypatch.setenv(inline.SIMULATE_ENV, "all")
-    pipe = Pipe(model(), balance=[4, 5], chunks=4)
+    pipe = simulated(Pipe(model(), balance=[4, 5], chunks=4), "all")
     out = pipe(torch.randn(16, 12))
     errors = []
 
@@ -174,13 +179,10 @@ def test_backward_from_another_thread(monkeypatch, autograd_threads):
     assert all(p.grad is not None for p in pipe.parameters())
 
 
-def test_switch_is_validated(monkeypatch):
-    monkeypatch.setenv(inline.SIMULATE_ENV, "5")
-    with pytest.raises(ValueError, match="outside"):
-        inline.simulated_device_stages(2)
-    monkeypatch.setenv(inline.SIMULATE_ENV, "x")
-    with pytest.raises(ValueError, match="'all' or stage indices"):
-        inline.simulated_device_stages(2)
+def test_switch_is_validated():
+    stages = Pipe(model(), balance=[4, 5]).runtime.stages
+    with pytest.raises(ValueError, match="outside 0..1"):
+        LocalRuntime(stages, simulated_device_stages={5})
 
 
 def test_only_device_stage_workers_inline():

@@ -21,7 +21,7 @@ K = 8 * HIDDEN + HIDDEN + 16
 def transport_of(pipe: object) -> str:
     from fastpipe.runtime.p2p_ordered import OrderedTransport
 
-    return "ordered" if isinstance(pipe._runtime.transport, OrderedTransport) else "tags"  # type: ignore[attr-defined]
+    return "ordered" if isinstance(pipe.runtime.transport, OrderedTransport) else "tags"  # type: ignore[attr-defined]
 
 
 def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
@@ -305,7 +305,7 @@ def _nccl_shaped(rank: int, world: int) -> list[str]:
     for name, v in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]:
         balance = [8 // (world * v)] * (world * v)
         pipe = DistributedPipe(make_model(), balance, chunks=4, schedule=name, timeout=20)
-        transport = pipe._runtime.transport
+        transport = pipe.runtime.transport
         transport.polls = transport._payload_sends.poll = True  # NCCL's way of waiting
         local = Pipe(make_model(), balance, chunks=4)
         for step in range(2):

@@ -118,9 +118,8 @@ def test_backward_twice_is_refused():
         out.sum().backward()
 
 
-def test_local_only_arguments_refused_with_a_process_group():
-    sentinel = object()  # never reaches torch.distributed: the arguments are refused first
-    with pytest.raises(TypeError, match="devices does not apply"):
-        Pipe(model(), balance=[2, 2], devices=["cpu", "cpu"], process_group=sentinel)
-    with pytest.raises(TypeError, match="balance='auto' does not apply"):
-        Pipe(model(), balance="auto", process_group=sentinel)
+def test_process_group_points_to_distributed_pipe():
+    sentinel = object()  # never reaches torch.distributed: the argument is refused first
+    for kwargs in ({"process_group": sentinel}, {"mesh": sentinel}):
+        with pytest.raises(TypeError, match="build fastpipe.DistributedPipe"):
+            Pipe(model(), balance=[2, 2], **kwargs)

@@ -68,13 +68,13 @@ def test_backward_hands_gradients_to_autograd_without_a_copy():
     torch.manual_seed(0)
     pipe = Pipe(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), balance=[2, 2], chunks=4)
     made = []
-    backward = pipe._runtime.backward
+    backward = pipe.runtime.backward
 
     def spy(*args, **kwargs):
         input_grads, param_grads = backward(*args, **kwargs)
         made.extend(g.data_ptr() for stage in param_grads for g in stage)
         return input_grads, param_grads
 
-    pipe._runtime.backward = spy
+    pipe.runtime.backward = spy
     pipe(torch.randn(8, 32)).sum().backward()
     assert [p.grad.data_ptr() for p in pipe.parameters()] == made

@@ -17,7 +17,7 @@ from fastpipe import Pipe
 
 def copying_pipe(model, **kwargs):
     pipe = Pipe(model, **kwargs)
-    pipe._runtime.copy_same_device = True
+    pipe.runtime.copy_same_device = True
     return pipe
 
 

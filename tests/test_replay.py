@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _seeded_reference import seeded_forward, step_seed_after
 from torch import nn
 
-import fastpipe.runtime.local as local_runtime
+import fastpipe.runtime.step as step_core
 from fastpipe import Pipe
 from fastpipe.kernels import Dropout as FusedDropout
 from fastpipe.rng import TaskRNG, may_draw, register_deterministic, register_random_op, task_seed
@@ -199,7 +199,7 @@ def test_stage_without_random_layers_runs_without_the_mode(monkeypatch):
             made.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(local_runtime, "TaskRNG", Counting)
+    monkeypatch.setattr(step_core, "TaskRNG", Counting)
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.LayerNorm(4))
     Pipe(plain, balance=[2, 2], chunks=2)(torch.randn(4, 4)).sum().backward()
     assert not made

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from fastpipe.pipe import join_input_grads
+from fastpipe.runtime.autograd_node import join_input_grads
 from fastpipe.runtime.worker import CallerState
 
 

@@ -13,7 +13,7 @@ stage's mini-batch gradient over the replicas (a bucketed all-reduce, bounded li
 other wait), and the yielded losses are the replicas' mean; every replica must iterate as
 many mini-batches. With virtual stages (``len(balance)`` a multiple of the ranks, stage s on
 rank s % K) the stream is ordered by Megatron's interleaved 1F1B
-(:func:`~fastpipe.schedule.stream.build_stream` with ``workers``), each stage updating on
+(:func:`~fastpipe.schedule.multistep.build_multistep` with ``workers``), each stage updating on
 its own ``U``; ``chunks`` must then be a multiple of the ranks, as for ``train_step``.
 
 With ``deferred_batch_norm=True`` each rank commits its stage's running statistics per
@@ -30,10 +30,9 @@ import torch
 from torch import Tensor
 
 from fastpipe.asynchronous.fit import FitRun, RunnerFactory, Window
-from fastpipe.runtime.local import LossSpec, StepRunner
+from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
-from fastpipe.trace import Timeline
 
 __all__ = ["DistributedFitRun"]
 
@@ -43,19 +42,12 @@ class DistributedFitRun(FitRun):
 
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, *args, **kwargs)
-        self.runtime: Any = pipe._runtime
+        self.runtime: Any = pipe.runtime
 
     def _fail(self, exc: BaseException) -> None:
         runtime = self.runtime
         stages = ",".join(str(s) for s in self.stages)
         runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stages}) raised {type(exc).__name__}: {exc}")
-
-    def _broadcast(self, values: Tensor, src: int, what: str) -> Tensor:
-        runtime = self.runtime
-        buf = values.to(runtime.comm_device)
-        work = torch.distributed.broadcast(buf, src=runtime._global(src), group=runtime.group, async_op=True)
-        runtime._collective(work, what)
-        return buf.cpu()
 
     def _gather(self) -> Window | None:
         runtime = self.runtime
@@ -71,11 +63,11 @@ class DistributedFitRun(FitRun):
                 raise
             if window is not None:
                 head = torch.tensor([window.minibatches, window.microbatches, window.seed], dtype=torch.int64)
-        n, m, seed = (int(v) for v in self._broadcast(head, runtime.first_rank, "the window's shape"))
+        n, m, seed = (int(v) for v in self.runtime.broadcast(head, runtime.first_rank, "the window's shape"))
         if n == 0:
             return None
         sizes = torch.tensor(window.sizes if window is not None else [0] * (n * m), dtype=torch.int64)
-        sizes_list = [int(v) for v in self._broadcast(sizes, runtime.first_rank, "the micro-batch sizes")]
+        sizes_list = [int(v) for v in self.runtime.broadcast(sizes, runtime.first_rank, "the micro-batch sizes")]
         if first:
             assert window is not None
             if last:
@@ -110,9 +102,7 @@ class DistributedFitRun(FitRun):
             made.append(make_runner(*args))
             return made[-1]
 
-        timeline = Timeline(runtime.size) if self.trace else None
-        runtime.recorder = timeline.record if timeline is not None else None
-        pipe.last_timeline = timeline
+        pipe.last_timeline = runtime.start_timeline(bool(self.trace))
         first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
         runtime.train(schedule, window.inputs if first else None, LossSpec(self.loss_fn, window.targets,
                                                                           window.factors),
@@ -124,12 +114,9 @@ class DistributedFitRun(FitRun):
             losses = window.losses(made[0].results)
             buf = torch.stack(losses).double()
             dtype = losses[0].dtype
-        buf = self._broadcast(buf, runtime.last_rank, "the window's losses")
+        buf = runtime.broadcast(buf, runtime.last_rank, "the window's losses")
         if runtime.dp_group is not None:
-            buf = buf.to(runtime.comm_device)
-            work = torch.distributed.all_reduce(buf, group=runtime.dp_group, async_op=True)
-            runtime._collective(work, "the data-parallel loss all-reduce")
-            buf = buf.cpu() / torch.distributed.get_world_size(runtime.dp_group)
+            buf = runtime.dp_mean(buf, "the data-parallel loss all-reduce")
         return [v.to(dtype) for v in buf]
 
     def _apply(self, stage: int, grads: Sequence[Tensor | None], lrs: list[float]) -> None:
@@ -137,7 +124,5 @@ class DistributedFitRun(FitRun):
         runtime = self.runtime
         if runtime.dp_group is not None:
             grads = list(grads)  # unused parameters get zeros: the replicas must agree on the layout
-            for _, work, flat, index in runtime._start_reduce(stage, grads):
-                runtime._collective(work, f"the data-parallel gradient all-reduce of stage {stage}")
-                runtime._finish_reduce(grads, flat, index)
+            runtime.reduce_stage_grads(stage, grads)
         super()._apply(stage, grads, lrs)

@@ -1,7 +1,7 @@
 """``Pipe.fit``: a training loop that owns the optimizer step, synchronous or asynchronous.
 
 The loop reads (input, target) mini-batches, runs them through a stream schedule
-(:mod:`fastpipe.schedule.stream`) in windows of ``window`` mini-batches, and yields each
+(:mod:`fastpipe.schedule.multistep`) in windows of ``window`` mini-batches, and yields each
 mini-batch's loss. Inside a window there is no flush (except under ``sync``); between
 windows the pipeline drains, so every window boundary is a point where the weights and the
 optimizer state are complete: :func:`fastpipe.save` there, and a run resumed from the file
@@ -23,20 +23,21 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.asynchronous.direction import check_predictable, predict_weights
-from fastpipe.asynchronous.runner import StreamRunner
+from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.microbatch import Value, batch_size, check_value, scatter
 from fastpipe.rng import draw_step_seed
-from fastpipe.runtime.local import LossSpec, Stage, StepState
 from fastpipe.runtime.param_hooks import accumulate_grads
-from fastpipe.runtime.transport import LocalTransport, Transport
+from fastpipe.runtime.step import LossSpec, Stage, StepState
+from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
-from fastpipe.schedule.stream import build_stream, update_lag, weight_versions
+from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
+from fastpipe.step_rules import checkpoint_predicate, loss_reduction, loss_weights, split_targets
 
-__all__ = ["FitRun", "RunnerFactory", "Window", "fit", "workers_of"]
+__all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
 
-RunnerFactory = Callable[[Mapping[int, Stage], int, Transport, StepState], StreamRunner]
+RunnerFactory = Callable[[Mapping[int, Stage], int, Transport, StepState], MultistepRunner]
 
 
 @dataclass
@@ -88,10 +89,10 @@ class FitRun(Iterator[Tensor]):
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"fastpipe: window must be an int >= 1 (mini-batches per drain), got {window!r}")
-        stages: Any = pipe._stages
+        stages: Any = cast(Any, pipe).runtime.stages  # a list (threads) or a dict of this rank's (distributed)
         self.stages: dict[int, Stage] = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
         self.num_stages = len(pipe.balance)  # type: ignore[arg-type]
-        self.num_workers = workers_of(pipe)
+        self.num_workers: int = pipe.num_workers  # type: ignore[assignment]
         self.chunks: int = pipe.chunks  # type: ignore[assignment]
         self.checkpoint_mode: str = pipe.checkpoint  # type: ignore[assignment]
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -147,31 +148,21 @@ class FitRun(Iterator[Tensor]):
     # -- one window -----------------------------------------------------------------
 
     def _factors(self, sizes: Sequence[int]) -> list[float]:
-        """Each micro-batch's factor in its mini-batch's loss (its share of the samples for a mean loss)."""
-        reduction = getattr(self.loss_fn, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; fit needs 'mean' or 'sum'")
-        return [n / sum(sizes) for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+        """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step_rules.loss_weights`)."""
+        return loss_weights(loss_reduction(self.loss_fn, "fit"), sizes)
 
     def _split(self, item: Any, need_input: bool = True) -> tuple[list[Value], list[Any], list[int]]:
         """(micro-batches, targets, sizes) of one mini-batch."""
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise TypeError(f"fastpipe: fit expects batches of (input, target), got {type(item).__name__}")
         x, y = item
-        chunks = self.chunks
-        mbs: list[Value] = []
-        if need_input:
-            check_value(x, "input")
-            mbs = scatter(x, chunks)
-        targets: list[Any] = [None] * len(mbs)
-        if y is not None:
-            check_value(y, "target")
-            targets = scatter(y, chunks)
-            if need_input and [batch_size(t, "target") for t in targets] != [batch_size(v) for v in mbs]:
-                raise ValueError(f"fastpipe: target batch size {batch_size(y, 'target')} differs from the input's "
-                                 f"{batch_size(x)}; they are split into micro-batches together")
-        sizes = [batch_size(v) for v in mbs] if need_input else [batch_size(t, "target") for t in targets]
-        return mbs, targets, sizes
+        if not need_input:  # the last rank of a DistributedPipe: the sizes come from the target
+            targets = split_targets(y, self.chunks, None)
+            return [], targets, [batch_size(t, "target") for t in targets]
+        check_value(x, "input")
+        mbs = scatter(x, self.chunks)
+        sizes = [batch_size(v) for v in mbs]
+        return mbs, split_targets(y, self.chunks, sizes), sizes
 
     def _gather(self) -> Window | None:
         """The next window's mini-batches: as many as ``window`` with the same number of micro-batches."""
@@ -213,7 +204,7 @@ class FitRun(Iterator[Tensor]):
                 pool.clear()
             raise StopIteration
         m, n = window.microbatches, window.minibatches
-        schedule = build_stream(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
+        schedule = build_multistep(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
         weights = {s: StageWeights(st.params, self.consistency, {i: lags[(s, i)] for i in range(m * n)}, m,
@@ -223,16 +214,13 @@ class FitRun(Iterator[Tensor]):
         for s, st in self.stages.items():
             nbytes = sum(p.numel() * p.element_size() for p in st.params)
             self.weight_copy_bound[s] = max(self.weight_copy_bound[s], bound[s] * nbytes)
-        mode = self.checkpoint_mode if self.pipe.training else "never"
+        checkpoint = checkpoint_predicate(self.checkpoint_mode, self.pipe.training, m)  # type: ignore[arg-type]
 
-        def checkpoint(i: int) -> bool:
-            return mode == "always" or (mode == "except_last" and i % m != m - 1)
-
-        made: list[StreamRunner] = []
+        made: list[MultistepRunner] = []
 
         def make_runner(stages: Mapping[int, Stage], num_stages: int, transport: Transport,
-                        state: StepState) -> StreamRunner:
-            made.append(StreamRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
+                        state: StepState) -> MultistepRunner:
+            made.append(MultistepRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
                                      loss=LossSpec(self.loss_fn, window.targets, window.factors), weights=weights,
                                      minibatch_size=m,
                                      apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i])))
@@ -251,14 +239,14 @@ class FitRun(Iterator[Tensor]):
     def _execute(self, schedule: Schedule, window: Window, make_runner: RunnerFactory) -> list[Tensor]:
         """Run one window on the local runtime; returns each mini-batch's loss."""
         pipe: Any = self.pipe
-        devices = [st.device for st in self.stages.values()]
-        transport = LocalTransport(devices, force_copy=pipe._runtime.copy_same_device)
-        runner = make_runner(self.stages, self.num_stages, transport,
+        runtime = pipe.runtime
+        runner = make_runner(self.stages, self.num_stages, runtime.transport(),
                              StepState(schedule, CallerState.capture(), window.seed))
-        pipe._start_timeline(pipe.trace if self.trace is None else self.trace, self.num_stages)
+        pipe.last_timeline = runtime.start_timeline(pipe.trace if self.trace is None else self.trace,
+                                                    self.num_stages)
         runner.feed(window.inputs)
         try:
-            pipe._runtime._execute(schedule, ("F", "BW", "U"), runner, "fit")
+            runtime.execute(schedule, ("F", "BW", "U"), runner, "fit")
         finally:
             runner.state.tasks.clear()
         return window.losses(runner.results)
@@ -297,27 +285,18 @@ class FitRun(Iterator[Tensor]):
         return predict
 
 
-def workers_of(pipe: Any) -> int:
-    """The workers that run ``pipe``'s stages: a DistributedPipe's ranks, a Pipe's stages over
-    its ``virtual_stages`` (fewer workers than stages: stage s on worker s % workers)."""
-    ranks = getattr(getattr(pipe, "_runtime", None), "size", None)
-    return int(ranks) if ranks else len(pipe.balance) // getattr(pipe, "virtual_stages", 1)
-
-
-def fit(pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
+def fit(pipe: Any, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
         optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
         max_grad_norm: float | None = None, window: int = 8, trace: bool | None = None) -> FitRun:
-    """Train ``pipe`` on ``batches``; the documented entry point behind :meth:`fastpipe.Pipe.fit`.
+    """Train ``pipe`` on ``batches``: the same as ``pipe.fit(...)``.
 
-    ``pipe`` is a :class:`fastpipe.Pipe` or a :class:`fastpipe.DistributedPipe`. See
+    ``pipe`` is a :class:`fastpipe.Pipe` (a :class:`FitRun` comes back) or a
+    :class:`fastpipe.DistributedPipe` (a
+    :class:`~fastpipe.asynchronous.distributed.DistributedFitRun`). See
     :meth:`fastpipe.Pipe.fit` for the arguments.
     """
-    from fastpipe.distributed_pipe import DistributedPipe
-
-    if isinstance(pipe, DistributedPipe):
-        from fastpipe.asynchronous.distributed import DistributedFitRun
-
-        return DistributedFitRun(pipe, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                                 max_grad_norm=max_grad_norm, window=window, trace=trace)
-    return FitRun(pipe, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                  max_grad_norm=max_grad_norm, window=window, trace=trace)
+    if not callable(getattr(pipe, "fit", None)):
+        raise TypeError(f"fastpipe: fit trains a fastpipe.Pipe or DistributedPipe, got {type(pipe).__name__}")
+    run: FitRun = pipe.fit(batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                           max_grad_norm=max_grad_norm, window=window, trace=trace)
+    return run

@@ -1,6 +1,6 @@
 """The step runner of a stream: forwards and backwards on version tensors, updates in place.
 
-It extends the one-step :class:`~fastpipe.runtime.local.StepRunner` (same transport, same
+It extends the one-step :class:`~fastpipe.runtime.step.StepRunner` (same transport, same
 recompute, same loss weighting) in three ways:
 
 * each (stage, micro-batch) runs on the tensors its :class:`StageWeights` chose, through
@@ -31,11 +31,11 @@ from torch.func import functional_call
 from fastpipe.asynchronous.weights import StageWeights
 from fastpipe.batchnorm import DeferredBatchNorm, accumulating_into
 from fastpipe.microbatch import Value
-from fastpipe.runtime.local import LossSpec, Stage, StepRunner, StepState
+from fastpipe.runtime.step import LossSpec, Stage, StepRunner, StepState
 from fastpipe.runtime.transport import Transport
 from fastpipe.schedule import Action
 
-__all__ = ["StreamRunner"]
+__all__ = ["MultistepRunner"]
 
 ApplyUpdate = Callable[[int, int, Sequence[Tensor | None]], None]
 
@@ -69,7 +69,7 @@ class _Bound(nn.Module):
         return fn()
 
 
-class StreamRunner(StepRunner):
+class MultistepRunner(StepRunner):
     """F, BW and U handlers of one window of a stream (see the module docstring).
 
     Args:

@@ -27,14 +27,16 @@ from torch import Tensor
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value
 from fastpipe.runtime.backend import backend_for
+from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
-from fastpipe.runtime.local import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
+from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Action, Schedule, ScheduleError
 from fastpipe.schedule.ordered import Message, Step, check_ordered, inputs, plan
+from fastpipe.trace import Timeline
 
 __all__ = ["DistributedRuntime", "StepOutcome", "DEFAULT_TIMEOUT", "RunnerFactory"]
 
@@ -145,7 +147,7 @@ class DistributedRuntime:
 
     def _gloo_side_group(self) -> Any:
         """A gloo group of the pipeline's ranks, created within ``timeout`` or PipelineError."""
-        ranks = [self._global(r) for r in range(self.size)]
+        ranks = [self.global_rank_of(r) for r in range(self.size)]
         try:
             return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
                                   timeout=datetime.timedelta(seconds=self.timeout))
@@ -158,7 +160,7 @@ class DistributedRuntime:
         modes: list[Any] = [None] * self.size
         dist.all_gather_object(modes, "ordered" if self.ordered else "tags", group=self.control_group)
         if len(set(modes)) > 1:
-            per_rank = ", ".join(f"rank {self._global(r)}: {m}" for r, m in enumerate(modes))
+            per_rank = ", ".join(f"rank {self.global_rank_of(r)}: {m}" for r, m in enumerate(modes))
             raise ValueError(f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
                              "FASTPIPE_P2P the same on every rank, or unset it")
 
@@ -166,7 +168,7 @@ class DistributedRuntime:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
         name = [f"fastpipe/abort/{uuid.uuid4().hex}"]
         bounded_barrier(self.control_group, self.timeout, "setting up the pipeline")
-        dist.broadcast_object_list(name, src=self._global(0), group=self.control_group)
+        dist.broadcast_object_list(name, src=self.global_rank_of(0), group=self.control_group)
         if self.dp_group is not None:
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         return str(name[0])
@@ -181,11 +183,39 @@ class DistributedRuntime:
         """Group rank of the last stage (reads the target, computes the loss)."""
         return (self.num_stages - 1) % self.size
 
-    def _global(self, group_rank: int) -> int:
+    def global_rank_of(self, group_rank: int) -> int:
+        """The global rank of the pipeline group's rank ``group_rank``."""
         return dist.get_global_rank(self.group, group_rank)
 
-    def _collective(self, work: Any, what: str) -> None:
+    def wait_collective(self, work: Any, what: str) -> None:
+        """Wait for an async collective within ``timeout``; a failed peer raises PipelineError."""
         self.watchdog.wait_collective(work, what)
+
+    def broadcast(self, values: Tensor, src: int, what: str) -> Tensor:
+        """``values`` of the pipeline group's rank ``src`` on every rank (a CPU tensor), bounded."""
+        buf = values.to(self.comm_device)
+        work = dist.broadcast(buf, src=self.global_rank_of(src), group=self.group, async_op=True)
+        self.wait_collective(work, what)
+        return buf.cpu()
+
+    def dp_mean(self, values: Tensor, what: str) -> Tensor:
+        """The mean of ``values`` over the data-parallel replicas (a CPU tensor), bounded."""
+        buf = values.to(self.comm_device)
+        work = dist.all_reduce(buf, group=self.dp_group, async_op=True)
+        self.wait_collective(work, what)
+        return buf.cpu() / dist.get_world_size(self.dp_group)
+
+    def reduce_stage_grads(self, stage: int, grads: list[Tensor | None]) -> None:
+        """Average ``stage``'s gradients over the data-parallel replicas, in place (None -> zeros)."""
+        for bucket in start_reduce(stage, self.stages[stage].params, grads, self.dp_group, self.bucket_bytes):
+            self.wait_collective(bucket.work, f"the data-parallel gradient all-reduce of stage {stage}")
+            finish_reduce(grads, bucket, self.dp_group)
+
+    def start_timeline(self, enabled: bool) -> Timeline | None:
+        """Record this rank's next actions into a new :class:`Timeline` (or stop recording)."""
+        timeline = Timeline(self.size) if enabled else None
+        self.recorder = timeline.record if timeline is not None else None
+        return timeline
 
     def broadcast_sizes(self, sizes: Sequence[int] | None, max_chunks: int, step_seed: int = 0) -> tuple[
         list[int], int
@@ -202,10 +232,7 @@ class DistributedRuntime:
             buf[0] = len(sizes)
             buf[1] = step_seed
             buf[2:2 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
-        buf = buf.to(self.comm_device)
-        work = dist.broadcast(buf, src=self._global(self.first_rank), group=self.group, async_op=True)
-        self._collective(work, "the micro-batch sizes")
-        buf = buf.cpu()
+        buf = self.broadcast(buf, self.first_rank, "the micro-batch sizes")
         count = int(buf[0])
         return [int(v) for v in buf[2:2 + count]], int(buf[1])
 
@@ -233,7 +260,7 @@ class DistributedRuntime:
         actions = schedule.workers[self.rank]
         steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}
-        reductions: list[tuple[int, Any, Tensor, list[int]]] = []
+        reductions: list[Bucket] = []
         try:
             self.transport.begin(actions)
             if self.rank == self.first_rank:
@@ -267,53 +294,18 @@ class DistributedRuntime:
                     self._record_wait(inputs(schedule, action), called, start)
                     self.recorder(self.rank, str(action), start, time.perf_counter())
                 if self.dp_group is not None and last_grad_action.get(action.stage) == i:
-                    reductions += self._start_reduce(action.stage, runner.param_grads[action.stage])
+                    stage = action.stage
+                    reductions += start_reduce(stage, self.stages[stage].params, runner.param_grads[stage],
+                                               self.dp_group, self.bucket_bytes)
             self.transport.finish()
-            for stage, work, flat, index in reductions:
-                self._collective(work, f"the data-parallel gradient all-reduce of stage {stage}")
-                self._finish_reduce(runner.param_grads[stage], flat, index)
+            for bucket in reductions:
+                self.wait_collective(bucket.work, f"the data-parallel gradient all-reduce of stage {bucket.stage}")
+                finish_reduce(runner.param_grads[bucket.stage], bucket, self.dp_group)
             return self._share_loss(runner, loss)
         except BaseException:
             state.tasks.clear()
             self.transport.reset()
             raise
-
-    # -- data parallel -------------------------------------------------------------
-
-    def _start_reduce(self, stage: int, grads: list[Tensor | None]) -> list[tuple[int, Any, Tensor, list[int]]]:
-        params = self.stages[stage].params
-        for i, p in enumerate(params):  # replicas must agree on the layout: unused -> zeros
-            if grads[i] is None:
-                grads[i] = torch.zeros_like(p)
-        out = []
-        bucket: list[int] = []
-        size = 0
-        for i in range(len(params)):
-            g = grads[i]
-            assert g is not None
-            if bucket and (size + g.numel() * g.element_size() > self.bucket_bytes
-                           or g.dtype != grads[bucket[0]].dtype):  # type: ignore[union-attr]
-                out.append(self._launch(stage, grads, bucket))
-                bucket, size = [], 0
-            bucket.append(i)
-            size += g.numel() * g.element_size()
-        if bucket:
-            out.append(self._launch(stage, grads, bucket))
-        return out
-
-    def _launch(self, stage: int, grads: list[Tensor | None], index: list[int]) -> tuple[int, Any, Tensor, list[int]]:
-        flat = torch.cat([grads[i].reshape(-1) for i in index])  # type: ignore[union-attr]
-        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        return stage, work, flat, index
-
-    def _finish_reduce(self, grads: list[Tensor | None], flat: Tensor, index: list[int]) -> None:
-        flat.div_(dist.get_world_size(self.dp_group))
-        offset = 0
-        for i in index:
-            g = grads[i]
-            assert g is not None
-            grads[i] = flat[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
 
     # -- the loss ------------------------------------------------------------------
 
@@ -326,19 +318,13 @@ class DistributedRuntime:
             buf[0] = total.double()
             buf[1] = bad[0] + 1 if bad else 0
             buf[2] = _LOSS_DTYPES.index(total.dtype) if total.dtype in _LOSS_DTYPES else -1
-        buf = buf.to(self.comm_device)
-        work = dist.broadcast(buf, src=self._global(self.last_rank), group=self.group, async_op=True)
-        self._collective(work, "the step's loss")
-        buf = buf.cpu()
+        buf = self.broadcast(buf, self.last_rank, "the step's loss")
         # Every rank returns the loss in the last stage's dtype (a float64 model's loss is not rounded).
         dtype = _LOSS_DTYPES[int(buf[2])] if buf[2] >= 0 else torch.get_default_dtype()
         nonfinite = f"micro-batch {int(buf[1]) - 1}" if buf[1] > 0 else None
         if self.dp_group is not None:
-            flags = torch.stack([buf[0], (buf[1] > 0).double()]).to(self.comm_device)
-            work = dist.all_reduce(flags, group=self.dp_group, async_op=True)
-            self._collective(work, "the data-parallel loss all-reduce")
-            flags = flags.cpu()
-            buf[0] = flags[0] / dist.get_world_size(self.dp_group)
+            flags = self.dp_mean(torch.stack([buf[0], (buf[1] > 0).double()]), "the data-parallel loss all-reduce")
+            buf[0] = flags[0]
             if nonfinite is None and flags[1] > 0:
                 nonfinite = "another data-parallel replica"
         return StepOutcome(buf[0].to(dtype), nonfinite, runner.param_grads)

@@ -1,6 +1,6 @@
 """Backward on an autograd device thread: the calling thread runs the device stages itself.
 
-``Pipe.forward``'s backward is one autograd node (see :mod:`fastpipe.runtime.local`).
+``Pipe.forward``'s backward is one autograd node (see :mod:`fastpipe.runtime.autograd_node`).
 torch runs a node whose incoming gradients live on ``cuda:d`` on its engine thread for
 ``cuda:d``, and any ``torch.autograd.grad``/``backward`` of CUDA tensors started by
 *another* thread queues its nodes to the engine thread of their device. A node that
@@ -9,7 +9,7 @@ as soon as one stage lives on that device::
 
     engine thread cuda:0                       stage worker (cuda:0)
     ┌─────────────────────────────┐            ┌────────────────────────────────┐
-    │ _PipelineFunction.backward  │            │ autograd.grad(stage graph)     │
+    │ PipelineNode.backward       │            │ autograd.grad(stage graph)     │
     │   waits for the workers ────┼──────────▶ │   queues its nodes to cuda:0 ──┼──┐
     └─────────────────────────────┘            └────────────────────────────────┘  │
                  ▲ the same thread, blocked: nothing ever runs them ◀──────────────┘
@@ -29,15 +29,14 @@ per-stage control the schedules need (recompute placement, split B/W, the fused 
 gradients) and differ from the CPU path in every one of them; running the very same
 action handlers on another thread keeps one code path.
 
-``FASTPIPE_SIMULATE_DEVICE_STAGES`` (``all`` or stage indices such as ``0,2``) makes a
-CPU run take this path as if those stages were on a GPU and the node on its device
-thread, so CI covers it.
+A CPU run takes this path for the stages named in ``LocalRuntime``'s
+``simulated_device_stages``, as if they were on a GPU and the node on its device thread,
+so CI covers it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
@@ -46,28 +45,10 @@ import torch
 from fastpipe.runtime.mailbox import Mailbox
 from fastpipe.schedule import Action, Schedule
 
-__all__ = ["SIMULATE_ENV", "simulated_device_stages", "inline_workers", "run_inline", "worker_like"]
+__all__ = ["inline_workers", "run_inline", "worker_like"]
 
-SIMULATE_ENV = "FASTPIPE_SIMULATE_DEVICE_STAGES"
-
-
-def simulated_device_stages(num_stages: int) -> frozenset[int] | None:
-    """Stages that ``FASTPIPE_SIMULATE_DEVICE_STAGES`` treats as on a GPU (None: unset)."""
-    value = os.environ.get(SIMULATE_ENV, "").strip()
-    if not value:
-        return None
-    if value == "all":
-        return frozenset(range(num_stages))
-    try:
-        stages = frozenset(int(v) for v in value.split(","))
-    except ValueError:
-        raise ValueError(f"fastpipe: {SIMULATE_ENV}={value!r}; give 'all' or stage indices like '0,2'") from None
-    if any(not 0 <= s < num_stages for s in stages):
-        raise ValueError(f"fastpipe: {SIMULATE_ENV}={value!r} names a stage outside 0..{num_stages - 1}")
-    return stages
-
-
-def inline_workers(schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool) -> frozenset[int]:
+def inline_workers(schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool,
+                   simulated: frozenset[int] = frozenset()) -> frozenset[int]:
     """The workers whose actions the calling thread must run itself.
 
     Args:
@@ -75,10 +56,10 @@ def inline_workers(schedule: Schedule, devices: Sequence[torch.device], on_devic
         devices: the device of every stage.
         on_device_thread: the calling thread is an autograd engine device thread (the
             pipeline's backward node received a gradient on a non-CPU device).
+        simulated: stages to treat as on a GPU, with the node on its device thread (tests).
     """
     on_device = {s for s, d in enumerate(devices) if d.type != "cpu"}
-    simulated = simulated_device_stages(len(devices))
-    if simulated is not None:
+    if simulated:
         on_device |= simulated
         on_device_thread = True
     if not on_device_thread or not on_device:

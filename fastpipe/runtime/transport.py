@@ -2,7 +2,7 @@
 
 A :class:`Transport` moves a stage's output activations to the next stage and the
 gradients of a stage's input back to the previous one, keyed by (stage, micro-batch).
-The step logic (:mod:`fastpipe.runtime.local`) only calls these four methods, so a
+The step logic (:mod:`fastpipe.runtime.step`) only calls these four methods, so a
 transport over threads (:class:`LocalTransport`) and one over processes can share it.
 """
 

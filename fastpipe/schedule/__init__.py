@@ -11,8 +11,8 @@ Example::
 
 from fastpipe.schedule.builders import SCHEDULES, build
 from fastpipe.schedule.ir import Action, ActionKind, Schedule, ScheduleError
+from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
 from fastpipe.schedule.simulate import simulate, simulate_times
-from fastpipe.schedule.stream import build_stream, update_lag, weight_versions
 from fastpipe.trace import Timeline, TimelineEvent
 
 __all__ = [
@@ -24,7 +24,7 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "build",
-    "build_stream",
+    "build_multistep",
     "simulate",
     "simulate_times",
     "update_lag",

@@ -14,7 +14,7 @@ Text form of an action (as in ``torch.distributed.pipelining``)::
     2SEND_B3   stage 2 sends the input grad of its backward to stage 1
     1RECV_B3   stage 1 receives the output grad of its backward from stage 2
     0U1        stage 0 applies its weight update for mini-batch 1 (asynchronous streams only:
-               there the number is a mini-batch, not a micro-batch; see schedule.stream)
+               there the number is a mini-batch, not a micro-batch; see schedule.multistep)
 
 Dependencies (``->`` reads "needs")::
 
@@ -220,7 +220,7 @@ class Schedule:
             if action.kind == "U":
                 if not self.minibatch_size:
                     raise ScheduleError(
-                        f"{action} on worker {worker}: update actions need a stream (minibatch_size > 0)"
+                        f"{action} on worker {worker}: update actions need a multi-step schedule (minibatch_size > 0)"
                     )
                 if not 0 <= action.microbatch < self.num_minibatches:
                     raise ScheduleError(

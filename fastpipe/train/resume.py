@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.checkpoint import _atomic_write
+from fastpipe.serialization import atomic_write
 
 __all__ = ["RUN_FORMAT", "save_run", "load_run", "check_compatible"]
 
@@ -40,7 +40,7 @@ def save_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer, ste
     os.makedirs(folder, exist_ok=True)
     name = f"model-{step:06d}.pt"
     fastpipe.save(pipe, os.path.join(folder, name), optimizer=optimizer)
-    _atomic_write({**record, "format": RUN_FORMAT, "step": step, "model_file": name}, os.path.join(folder, _RECORD))
+    atomic_write({**record, "format": RUN_FORMAT, "step": step, "model_file": name}, os.path.join(folder, _RECORD))
     for old in glob.glob(os.path.join(folder, "model-*.pt")):
         if os.path.basename(old) != name:
             with contextlib.suppress(FileNotFoundError):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES, fit
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
-from fastpipe.schedule.stream import build_stream
+from fastpipe.schedule.multistep import build_multistep
 from fastpipe.trace import Timeline
 from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses, traced_window
 from fastpipe.train.meter import ActivationMeter
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timeline: Timeline | None
     if runner is None:
         traced = f"one window of {args.window} mini-batches, {ASYNC}/{args.consistency} (1F1B stream)"
-        simulated: Any = build_stream(args.stages, args.chunks, args.window, flush=args.consistency == "sync")
+        simulated: Any = build_multistep(args.stages, args.chunks, args.window, flush=args.consistency == "sync")
         timeline, copies = traced_window(pipe, opt, loss_fn, batches(args.steps, args.steps + args.window),
                                          consistency=args.consistency, window=args.window, start=args.steps,
                                          lr_at=lr, context=lambda: _both(meter, autocast()))

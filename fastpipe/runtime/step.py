@@ -1,14 +1,20 @@
-"""The local runtime: one process, one worker thread per pipeline worker.
+"""The step core: the action handlers (F, BW, B, W) that every driver runs.
 
-It executes the per-worker action lists of a :class:`~fastpipe.schedule.Schedule`.
-Each action waits for what it needs in a :class:`Mailbox` (the previous stage's
-activation, the next stage's gradient), runs, and posts its result for the consumer.
-The order of work is the schedule's; this module only supplies the dependencies.
+A step is a :class:`~fastpipe.schedule.Schedule` executed over :class:`Stage` s. This module
+says what each action does; a driver says where and when it runs:
+
+* :mod:`fastpipe.runtime.threads`: one process, one worker thread per pipeline worker;
+* :mod:`fastpipe.runtime.distributed`: one process per rank, over ``torch.distributed``;
+* :mod:`fastpipe.asynchronous.runner`: the same handlers plus weight updates (``U``).
+
+Each action waits for what it needs through a :class:`~fastpipe.runtime.transport.Transport`
+(the previous stage's activation, the next stage's gradient), runs, and posts its result for
+the consumer. The order of work is the schedule's; the handlers only supply the dependencies.
 
 Autograd never crosses a stage boundary. A stage's forward sees its input as a fresh
-leaf; its backward is an explicit ``torch.autograd.grad`` run *in that stage's worker*.
-That is what lets stage backwards overlap on a CPU, where torch's autograd engine would
-otherwise run every CPU backward on the one thread that called ``backward()``::
+leaf; its backward is an explicit autograd call run *in that stage's worker*. That is what
+lets stage backwards overlap on a CPU, where torch's autograd engine would otherwise run
+every CPU backward on the one thread that called ``backward()``::
 
       worker 0            worker 1
     ┌──────────┐  act   ┌──────────┐
@@ -16,44 +22,30 @@ otherwise run every CPU backward on the one thread that called ``backward()``::
     │  ▲ grad  │ ◀──────┼─ ▲ grad  │ ◀── grad_output    (backward phase)
     └──────────┘  dx1   └──────────┘
     x_s: leaf with requires_grad; f_s's graph stays inside worker s.
-
-On a GPU that single node is where the design must bend. autograd runs a node whose
-gradients live on ``cuda:d`` on its engine thread for ``cuda:d``, and every autograd
-call another thread makes on ``cuda:d`` tensors queues behind it: a node that waits
-for stage workers there deadlocks. So when the node runs on a device thread, that
-thread runs the backward actions of every GPU stage itself, reentrantly and in an order
-the schedule allows, while CPU stages keep their workers (:mod:`fastpipe.runtime.inline`,
-which also says why not one graph stitched across the GPU stages). ``train_step`` is
-not inside autograd and runs every stage in its worker.
 """
-
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, may_draw, task_seed
 from fastpipe.rng_state import install as install_task_rng_state
-from fastpipe.runtime.host_alloc import tune_host_allocator
-from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
-from fastpipe.runtime.mailbox import Aborted
 from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
-from fastpipe.runtime.transport import LocalTransport, Transport
+from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
-from fastpipe.runtime.worker import CallerState, WorkerPool, recomputing
+from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
 
-__all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "LocalRuntime"]
+__all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "Recorder"]
 
 Recorder = Callable[[int, str, float, float], None]
 
@@ -341,176 +333,6 @@ class StepRunner:
         with hooks_set_aside(self.stages[s].params), _streams(task):
             self._accumulate(s, backward_weights(task.weight_work))
         return started
-
-
-class LocalRuntime:
-    """Runs schedules over ``stages`` with one persistent thread per worker.
-
-    Args:
-        stages: the pipeline's stages, in order.
-        recorder: optional ``(worker, action_text, start_s, end_s)`` callback, called from
-            worker threads after every action (timelines).
-        copy_same_device: send hand-offs between stages on the same device through the
-            copy runtime too (as between devices). Tests use it to exercise the transfer
-            path on CPU-only hosts; it also measures that path's overhead.
-    """
-
-    def __init__(self, stages: Sequence[Stage], recorder: Recorder | None = None,
-                 copy_same_device: bool = False) -> None:
-        self.stages = list(stages)
-        self.recorder = recorder
-        self.copy_same_device = copy_same_device
-        self._pool: WorkerPool | None = None
-
-    def close(self) -> None:
-        """Stop the worker threads (they restart on the next step)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-    def forward(
-        self,
-        schedule: Schedule,
-        microbatches: Sequence[Value],
-        *,
-        grad: bool,
-        checkpoint: Callable[[int], bool],
-        caller: CallerState,
-        step_seed: int,
-    ) -> tuple[list[Value], StepState]:
-        """Run the schedule's F actions; return the last stage's outputs per micro-batch.
-
-        Args:
-            grad: build autograd graphs (the caller wants a backward).
-            checkpoint: ``checkpoint(mb)`` says whether micro-batch ``mb`` is recomputed in
-                the backward instead of keeping its graph.
-        """
-        state = StepState(schedule, caller, step_seed)
-        step = self._step(state, grad=grad, checkpoint=checkpoint, loss=None)
-        step.feed(microbatches)
-        self._execute(schedule, ("F",), step, "forward")
-        return [step.results[m] for m in range(len(microbatches))], state
-
-    def backward(self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]], *,
-                 on_device_thread: bool = False) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
-        """Run the schedule's backward actions after :meth:`forward`.
-
-        Args:
-            state: from :meth:`forward` with ``grad=True``; consumed.
-            grad_outputs: per micro-batch, one gradient (or None) per tensor of the last
-                stage's output.
-            on_device_thread: this thread is an autograd engine device thread; the
-                workers of non-CPU stages then run here (see :mod:`fastpipe.runtime.inline`).
-
-        Returns:
-            ``(input_grads, param_grads)``: per micro-batch, the gradient of each input
-            tensor (None where it needs none); per stage, the gradient of each
-            ``stage.params`` entry summed over micro-batches.
-        """
-        if state.consumed:
-            raise PipelineError(
-                "fastpipe: backward ran twice through the same pipeline step; the step's graphs are "
-                "freed after the first backward (retain_graph is not supported), so run forward again"
-            )
-        state.consumed = True
-        step = self._step(state, grad=True, checkpoint=lambda m: False, loss=None)
-        step.post_output_grads(grad_outputs)
-        try:
-            inline = inline_workers(state.schedule, [st.device for st in self.stages], on_device_thread)
-            self._execute(state.schedule, ("BW", "B", "W"), step, "backward", inline)
-        finally:
-            state.tasks.clear()
-        return [step.input_grads[m] for m in range(len(grad_outputs))], [step.param_grads[s] for s in
-                                                                          range(len(self.stages))]
-
-    def train(
-        self,
-        schedule: Schedule,
-        microbatches: Sequence[Value],
-        loss: LossSpec,
-        *,
-        checkpoint: Callable[[int], bool],
-        caller: CallerState,
-        step_seed: int,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        """Run a whole schedule, loss included, on the last stage.
-
-        Returns:
-            ``(losses, param_grads)``: each micro-batch's (unweighted) loss, detached; per
-            stage, the gradient of each ``stage.params`` entry summed over micro-batches
-            (each micro-batch's share weighted by ``loss.weights``).
-        """
-        state = StepState(schedule, caller, step_seed)
-        step = self._step(state, grad=True, checkpoint=checkpoint, loss=loss)
-        step.feed(microbatches)
-        try:
-            self._execute(schedule, ("F", "BW", "B", "W"), step, "train step")
-        finally:
-            state.tasks.clear()
-        losses = [step.results[m] for m in range(len(microbatches))]
-        return losses, [step.param_grads[s] for s in range(len(self.stages))]  # type: ignore[return-value]
-
-    def _step(self, state: StepState, *, grad: bool, checkpoint: Callable[[int], bool],
-              loss: LossSpec | None) -> StepRunner:
-        transport = LocalTransport([st.device for st in self.stages], force_copy=self.copy_same_device)
-        return StepRunner(dict(enumerate(self.stages)), len(self.stages), transport, state, grad=grad,
-                     checkpoint=checkpoint, loss=loss)
-
-    def _execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str,
-                 inline: frozenset[int] = frozenset()) -> None:
-        """Run the ``kinds`` actions of every worker; those of ``inline`` workers on this thread."""
-        if self._pool is None and any(st.device.type == "cpu" for st in self.stages):
-            tune_host_allocator()  # before the workers' first allocation (see host_alloc)
-        if self._pool is None:
-            self._pool = WorkerPool(schedule.num_workers)
-        elif self._pool.size != schedule.num_workers:
-            self._pool.close()
-            self._pool = WorkerPool(schedule.num_workers)
-        recorder = self.recorder
-        handlers = step.handlers()
-        caller = step.state.caller
-        queues = [[a for a in schedule.workers[w] if a.kind in kinds] for w in range(schedule.num_workers)]
-
-        def run(worker: int, action: Action) -> None:
-            try:
-                with caller.placed(self.stages[action.stage].device):
-                    start = handlers[action.kind](action)
-            except Aborted:
-                raise
-            except BaseException as exc:
-                raise annotate(
-                    exc, f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
-                    f"({phase}, action {action})"
-                ) from None
-            if recorder is not None:
-                recorder(worker, str(action), start, time.perf_counter())
-
-        def job_for(worker: int) -> Callable[[], None] | None:
-            actions = queues[worker]
-            if not actions or worker in inline:
-                return None
-
-            def job() -> None:
-                for action in actions:
-                    run(worker, action)
-
-            return job
-
-        running = self._pool.start([job_for(w) for w in range(schedule.num_workers)], step.transport.abort)
-        if inline:
-            assert isinstance(step.transport, LocalTransport)
-            mailbox = step.transport.mailbox
-
-            def waits_on(action: Action) -> Hashable | None:
-                slot = step.waits_on(action)
-                return None if slot is None else LocalTransport.slot(*slot)
-
-            try:
-                with worker_like():
-                    run_inline({w: queues[w] for w in inline}, run, waits_on, mailbox)
-            except BaseException as exc:  # noqa: BLE001 - reported like a worker's, re-raised by wait()
-                running.report(exc)
-        running.wait()
 
 
 install_task_rng_state()

@@ -1,7 +1,7 @@
-"""Streams of mini-batches: schedules that update weights inside the pipeline.
+"""Multi-step schedules: several mini-batches in one schedule, with weight updates inside it.
 
 A one-step schedule (``gpipe``, ``1f1b``, ...) ends with a flush: every stage waits for the
-last backward before the caller's ``optimizer.step()``. A *stream* runs N mini-batches of M
+last backward before the caller's ``optimizer.step()``. A *multi-step* schedule runs N mini-batches of M
 micro-batches each and gives every (stage, mini-batch) an update action ``U``; micro-batch
 ``m`` belongs to mini-batch ``m // M``. Its text form is ``0U1`` (stage 0 applies the update
 of mini-batch 1). Two orders of the same actions:
@@ -12,14 +12,15 @@ of mini-batch 1). Two orders of the same actions:
 * ``flush=False`` (asynchronous, PipeDream / XPipe): one 1F1B over all N·M micro-batches,
   with ``U(s, n)`` still right after the stage's last backward of mini-batch n. Forwards of
   mini-batch n + 1 run while mini-batch n drains, on weights that miss the updates still
-  to come; the bubble is paid once per stream, so the steady-state gain is (M + K - 1)/M.
+  to come; the bubble is paid once per schedule, so the steady-state gain is (M + K - 1)/M.
 
 ::
 
     K=2, M=2, no flush   w0: F0 F1 BW0 F2 BW1 U0 F3 BW2 F4 BW3 U1 ...
                          w1: F0 BW0 F1 BW1 U0 F2 BW2 F3 BW3 U1 ...
 
-:func:`update_lag` reads from a stream how many updates land between a micro-batch's
+(Asynchronous training, :mod:`fastpipe.asynchronous`, runs these.) :func:`update_lag` reads
+from such a schedule how many updates land between a micro-batch's
 forward and the update that consumes its gradient (the ``s`` of weight prediction), and
 :func:`weight_versions` how many old or predicted weight copies a stage holds at most.
 """
@@ -32,18 +33,18 @@ from fastpipe.schedule.builders import build_for
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 from fastpipe.schedule.simulate import simulate_times
 
-__all__ = ["build_stream", "update_lag", "weight_versions", "steady_state_time"]
+__all__ = ["build_multistep", "update_lag", "weight_versions", "steady_state_time"]
 
 
 @functools.lru_cache(maxsize=64)
-def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool = False,
+def build_multistep(stages: int, microbatches: int, minibatches: int, flush: bool = False,
                  workers: int | None = None) -> Schedule:
-    """A 1F1B stream of ``minibatches`` mini-batches of ``microbatches`` micro-batches each.
+    """A 1F1B multi-step schedule of ``minibatches`` mini-batches of ``microbatches`` micro-batches each.
 
     Args:
         stages: pipeline stages.
         microbatches: micro-batches per mini-batch M (per weight update).
-        minibatches: mini-batches N in the stream.
+        minibatches: mini-batches N in the schedule.
         flush: synchronous (True) or asynchronous (False); see the module docstring.
         workers: workers K (default one per stage). Fewer workers than stages means virtual
             stages, stage s on worker s % K, ordered by Megatron's interleaved 1F1B; its
@@ -51,7 +52,7 @@ def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool =
             must be a multiple of K.
 
     Returns:
-        A validated schedule named ``"1f1b-stream"`` or ``"1f1b-flush"`` (``"interleaved-…"``
+        A validated schedule named ``"1f1b-async"`` or ``"1f1b-flush"`` (``"interleaved-…"``
         with virtual stages). ``U(s, n)`` follows stage s's last backward of mini-batch n on
         its worker.
 
@@ -71,7 +72,7 @@ def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool =
         count = f"M = {m}" if flush else f"N·M = {minibatches}·{m}"
         raise ScheduleError(
             f"{stages} stages on {k} workers (virtual stages) are ordered by the interleaved 1F1B, which needs "
-            f"a multiple of {k} micro-batches; this stream has {count}. Use chunks that are a multiple of {k}, "
+            f"a multiple of {k} micro-batches; this schedule has {count}. Use chunks that are a multiple of {k}, "
             "and mini-batches of at least chunks rows (e.g. drop_last=True in the DataLoader)"
         )
     one = build_for(kind, stages, k, ordered).workers
@@ -90,7 +91,7 @@ def build_stream(stages: int, microbatches: int, minibatches: int, flush: bool =
                     out.append(Action("U", a.stage, a.microbatch // m))
         out_workers.append(out)
     label = "1f1b" if kind == "1f1b" else "interleaved"
-    schedule = Schedule(f"{label}-flush" if flush else f"{label}-stream", stages, m * minibatches, k,
+    schedule = Schedule(f"{label}-flush" if flush else f"{label}-async", stages, m * minibatches, k,
                         tuple(tuple(w) for w in out_workers), minibatch_size=m, flush=flush)
     schedule.validate()
     return schedule
@@ -103,14 +104,14 @@ def update_lag(schedule: Schedule) -> dict[tuple[int, int], int]:
     This is the ``s`` of XPipe's weight prediction (Guan et al. 2019, arXiv 1911.04610):
     the gradient of micro-batch m is applied to the weights W_{t+s}, where W_t are the
     weights its forward would see, so the forward should run on a prediction of W_{t+s}.
-    It is read from the stage's action list, not from a formula per rank, so any stream
-    order gets its own lags. A flushed stream has lag 0 everywhere.
+    It is read from the stage's action list, not from a formula per rank, so any multi-step
+    order gets its own lags. A flushed schedule has lag 0 everywhere.
 
     Raises:
-        ScheduleError: ``schedule`` is not a stream (no ``U`` actions).
+        ScheduleError: ``schedule`` is not a multi-step schedule (no ``U`` actions).
     """
     if not schedule.minibatch_size:
-        raise ScheduleError(f"{schedule.name!r} is not a stream of mini-batches; it has no update actions")
+        raise ScheduleError(f"{schedule.name!r} is not a multi-step schedule; it has no update actions")
     size = schedule.minibatch_size
     lag: dict[tuple[int, int], int] = {}
     for actions in schedule.workers:
@@ -171,12 +172,12 @@ def weight_versions(schedule: Schedule) -> dict[str, list[int]]:
 
 def steady_state_time(stages: int, microbatches: int, flush: bool, forward: float = 1.0,
                       backward: float = 2.0, minibatches: int = 16) -> float:
-    """Simulated time per mini-batch in steady state (the fill and drain of the stream excluded).
+    """Simulated time per mini-batch in steady state (the fill and drain of the schedule excluded).
 
     It is the slope of the makespan over the number of mini-batches: (T(2N) - T(N)) / N.
     """
     def makespan(n: int) -> float:
-        times = simulate_times(build_stream(stages, microbatches, n, flush), forward=forward,
+        times = simulate_times(build_multistep(stages, microbatches, n, flush), forward=forward,
                                backward=backward, weight=0.0)
         return max(end for _, _, end in times.values())
 

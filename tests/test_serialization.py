@@ -10,7 +10,7 @@ from _dist_utils import check_ok, run_ranks
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.checkpoint import load, save
+from fastpipe.serialization import load, save
 
 HIDDEN = 16
 

@@ -24,16 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.runtime.watchdog import bounded_barrier
 
-__all__ = ["save", "load", "FORMAT"]
+__all__ = ["save", "load", "atomic_write", "FORMAT"]
 
 FORMAT = "fastpipe-checkpoint/1"
 
 
 def _is_distributed(module: nn.Module) -> bool:
-    from fastpipe.distributed_pipe import DistributedPipe
-
     return isinstance(module, DistributedPipe)
 
 
@@ -77,7 +76,8 @@ def _merge(shares: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {"model": model, "optimizer": {"state": state, "param_groups": groups} if has_optimizer else None}
 
 
-def _atomic_write(obj: Any, path: str) -> None:
+def atomic_write(obj: Any, path: str) -> None:
+    """``torch.save(obj)`` to ``path`` atomically: a crash leaves the old file (or none), never a torn one."""
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
@@ -113,12 +113,12 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     extra = {"format": FORMAT, "rng": torch.get_rng_state(),
              "balance": list(getattr(pipe, "balance", []) or [])}
     if not _is_distributed(pipe):
-        _atomic_write({**extra, **_merge([share])}, path)
+        atomic_write({**extra, **_merge([share])}, path)
         return
     # The pipeline's gloo group (the pipeline group itself on gloo, its gloo twin on NCCL):
     # over NCCL the shares would be staged in GPU memory, the root would allocate world x
     # the largest share there, and the bounded barrier could not bound anything.
-    group: Any = cast(Any, pipe)._runtime.control_group
+    group: Any = cast(Any, pipe).runtime.control_group
     dp_group: Any = pipe.dp_group
     root = dist.get_global_rank(group, 0)
     is_root = dist.get_rank(group) == 0
@@ -129,7 +129,7 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     if is_root and (dp_group is None or dist.get_rank(dp_group) == 0):
         try:
             assert shares is not None
-            _atomic_write({**extra, **_merge(shares)}, path)
+            atomic_write({**extra, **_merge(shares)}, path)
         except BaseException as exc:
             status[0] = f"{type(exc).__name__}: {exc}"
             dist.broadcast_object_list(status, src=root, group=group)
