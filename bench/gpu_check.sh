@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: build in place, run the gpu-marked tests, run GPU benchmarks, print a table.
 #
-# One global deadline (GPU_CHECK_DEADLINE seconds, default 450: inside the 8 minutes a GPU
-# host allows). Each step gets min(its own limit, time left) and is killed at the end of
+# One global deadline (GPU_CHECK_DEADLINE seconds, default 450, so the whole check ends
+# inside 8 minutes). Each step gets min(its own limit, time left) and is killed at the end of
 # it, so a hanging step costs its limit, never the run. A step that fails says why: timed
 # out, or its exit code and the last lines of its output.
 #
@@ -35,12 +35,12 @@ CHECKS=(
   "gpu-tests|240|python -m pytest -m gpu -q -p no:cacheprovider -p no:timeout -rfE"
   "pipe_gpu|70|python bench/pipe_gpu.py --json $OUT_DIR/pipe_gpu.json"
   "nccl|60|python bench/nccl_smoke.py --limit 25"
-  # The suite users run (issue 13): e2e, schedules, distributed, copy, kernels, memory, quick sizes.
-  # Its PNGs stay on the host (the 8-file limit); the JSON and the markdown table come back.
+  # The suite users run: e2e, schedules, distributed, copy, kernels, memory, quick sizes.
+  # Its PNGs stay on the host (the output stays at most 6 files); the JSON and the markdown table are copied.
   "bench|200|fastpipe bench --quick --no-progress --out /tmp/fastpipe_bench; rc=\$?; cp /tmp/fastpipe_bench/bench.json $OUT_DIR/bench.json; cp /tmp/fastpipe_bench/results.md $OUT_DIR/bench_results.md; exit \$rc"
 )
-# Kernel tuning (issue 11) needs ~4 more minutes and the Liger-Kernel wheel: it is a second
-# call of its own, `python bench/kernel_tune.py --budget 200 --json $OUT/kernel_tune.json`.
+# Kernel tuning needs ~4 more minutes and the Liger-Kernel wheel, so it runs as a command of
+# its own (docs/gpu.md): `python bench/kernel_tune.py --budget 200 --json $OUT/kernel_tune.json`.
 
 declare -a ROWS=()
 RECORDS=""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks for fastpipe.kernels; called from bench/gpu_check.sh. Usage: bench/gpu_kernels.sh [OUT_DIR]
+# GPU checks for fastpipe.kernels alone (bench/gpu_check.sh runs these tests among all gpu tests).
+# Usage: bench/gpu_kernels.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# What a GPU session runs, in one call, from the repository root of a fresh GPU host:
+# The whole GPU check in one call, from the repository root of a fresh GPU host:
 #
-#     bash bench/gpu_session.sh          # run tool: timeout_s=540; results come back from $OUT
+#     bash bench/gpu_session.sh          # allow it 540 s; results land in $OUT/gpu_check
 #
 # Prints the host's facts, then runs bench/gpu_check.sh (build, gpu tests with per-test
-# limits, the Pipe-on-GPU bench, copy overlap, kernels, NCCL smoke) under one global
+# limits, the Pipe-on-GPU bench, NCCL smoke, `fastpipe bench --quick`) under one global
 # deadline of GPU_CHECK_DEADLINE seconds (default 450), so it ends inside 8 minutes even
 # if a step hangs. Files land flat in $OUT/gpu_check (see gpu_check.sh).
 set -u
