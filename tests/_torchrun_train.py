@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe import DistributedPipe, Pipe
+from fastpipe import DistributedPipe
 
 
 def model() -> nn.Sequential:
