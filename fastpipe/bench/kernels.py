@@ -6,7 +6,8 @@ against float64 and the saved-activation-bytes table only (CPU times say nothing
 
 Usage::
 
-    python bench/kernels.py [--json out.json] [--rows N] [--hidden H]
+    python -m fastpipe.bench.kernels [--json out.json] [--rows N] [--hidden H]
+    fastpipe bench --only kernels     # the same, as one part of the suite
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ worker. Peak activations count (stage, micro-batch) pairs alive on a worker (see
 
 Usage::
 
-    python bench/schedules.py --json bench/schedules.json --png bench/schedules.png
+    python -m fastpipe.bench.schedules --json bench/out/schedules.json --png bench/out/schedules.png
 """
 
 from __future__ import annotations
