@@ -52,7 +52,7 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib"],
-        "test": ["pytest", "matplotlib", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "matplotlib", "hypothesis"],
         # scikit-learn: bench/xpipe_convergence.py trains on the digits data set it ships.
         "bench": ["matplotlib", "torchgpipe", "scikit-learn"],
     },

@@ -7,4 +7,4 @@ out="${1:-.}"
 mkdir -p "$out"
 unset TRITON_INTERPRET
 python -m pytest -m gpu tests/kernels -q
-python bench/kernels.py --json "$out/kernels.json"
+python -m fastpipe.bench.kernels --json "$out/kernels.json"

@@ -1,11 +1,16 @@
-"""One bounded GPU run for fastpipe.kernels (issue 11): eager vs Liger-Kernel vs fastpipe, then a tuning sweep.
+"""Tunes fastpipe.kernels' launch configs on a GPU, and compares the kernels with eager and Liger-Kernel.
+
+This script does what the measuring entry point does not: a sweep of ``configs.CANDIDATES`` whose winners
+are printed as a ``TUNED`` literal for ``kernels/configs.py``, at the large shapes where tuning matters,
+with Liger-Kernel as a third column. To measure the kernels (correctness against float64, saved bytes,
+fwd+bwd times against eager and torch.compile), run ``fastpipe bench --only kernels`` or
+``python -m fastpipe.bench.kernels``.
 
 For each op, at 16384x4096 and 4096x4096 (4x smaller), bf16 and fp32: fwd+bwd median ms (CUDA
-events, 3 warm-ups, 15 timed, as in the issue), peak MiB above the inputs (gradients included),
-achieved TB/s over the op's minimal bytes beside the copy bandwidth measured in the same run, and
-the ratio to eager. Then linear_cross_entropy (T=8192, H=4096, V=128256, bf16; both strategies),
-the MLP block and a transformer block with recompute, and a sweep of ``configs.CANDIDATES`` whose
-winners are printed as a ``TUNED`` literal for ``kernels/configs.py``.
+events, 3 warm-ups, 15 timed), peak MiB above the inputs (gradients included), achieved TB/s over
+the op's minimal bytes beside the copy bandwidth measured in the same run, and the ratio to eager.
+Then linear_cross_entropy (T=8192, H=4096, V=128256, bf16; both strategies), the MLP block and a
+transformer block with recompute, and the tuning sweep.
 
 Every section checks a global deadline (``--budget`` seconds, default 230) and is skipped, with a
 note, once it has run out. The last line printed is ``JSON {...}`` (a summary); ``--json`` writes

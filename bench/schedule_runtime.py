@@ -35,9 +35,9 @@ from torch import nn  # noqa: E402
 from fastpipe import Pipe  # noqa: E402
 from fastpipe.balance import plan, profile_layers  # noqa: E402
 from fastpipe.bench.report import write_json  # noqa: E402
-from fastpipe.bench.timing import action_costs  # noqa: E402
 from fastpipe.bench.workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
 from fastpipe.schedule import build, simulate  # noqa: E402
+from fastpipe.timing import action_costs  # noqa: E402
 from fastpipe.trace import Timeline  # noqa: E402
 
 LOSS = nn.MSELoss()

@@ -10,7 +10,7 @@
    ``fit`` with each asynchronous policy, timed in alternating rounds in one run. Reported:
    the median over rounds of each method's time per mini-batch divided by the same round's
    sync 1F1B time (so drift between rounds cancels). ``--workload mlp`` trains residual MLP
-   blocks (bench/workload.py); ``--workload sleep`` gives every stage fixed costs
+   blocks (fastpipe.bench.workload); ``--workload sleep`` gives every stage fixed costs
    (F = 10 ms, B = 20 ms per micro-batch, sleeping: no CPU used), which measures the schedule
    and the runtime apart from CPU contention on a shared machine.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,11 +38,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_json  # noqa: E402
-from workload import HIDDEN, make_model  # noqa: E402
-
 from fastpipe import Pipe  # noqa: E402
+from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.workload import HIDDEN, make_model  # noqa: E402
 from fastpipe.schedule.multistep import steady_state_time  # noqa: E402
 
 LOSS = nn.MSELoss()
@@ -192,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--window", type=int, default=16, help="mini-batches per drain in fit (and per round)")
     parser.add_argument("--workload", choices=("mlp", "sleep"), default="mlp")
-    parser.add_argument("--blocks", type=int, default=4, help="residual MLP blocks (bench/workload.py)")
+    parser.add_argument("--blocks", type=int, default=4, help="residual MLP blocks (fastpipe.bench.workload)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--skip-measure", action="store_true", help="only the simulated table")

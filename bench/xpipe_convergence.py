@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,10 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_json  # noqa: E402
-
 from fastpipe import Pipe  # noqa: E402
+from fastpipe.bench.report import write_json  # noqa: E402
 
 POLICIES = ("sync", "stale", "stash", "predict")
 OPTIMIZERS = {

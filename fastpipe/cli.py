@@ -3,12 +3,13 @@
 Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
     fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
-    fastpipe plan --model mypkg.models:build --sample-shape 256,512 --partitions 4 --microbatches 8
+    fastpipe plan --model mymodels:build --sample-shape 256,512 --partitions 4 --microbatches 8
     fastpipe train --schedule 1f1b --steps 300
     fastpipe bench --quick --only e2e,schedules --out bench-out
 
 With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
-``nn.Sequential``) each layer is profiled on one micro-batch of a random sample, and the
+``nn.Sequential``; the module is looked up in the current directory first, as ``python -m``
+does) each layer is profiled on one micro-batch of a random sample, and the
 plan also shows each stage's peak memory: its activations for the micro-batches its worker
 keeps alive at once, plus parameters, gradients and optimizer state.
 """
@@ -16,14 +17,33 @@ keeps alive at once, plus parameters, gradients and optimizer state.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastpipe.balance import BalanceError, plan, predict
 from fastpipe.schedule import SCHEDULES, ScheduleError, build
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+_PLAN_USAGE = ("fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) "
+               "--partitions K --microbatches M [options]")
+_PLAN_EXAMPLE = "fastpipe plan --costs 1,2,3,4 --partitions 2 --microbatches 8"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none to show.
+
+    A default of None means "decided at run time" (the help says how) and False is an off flag;
+    "(default: None)" or "(default: False)" would only add noise.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _floats(text: str) -> list[float]:
@@ -40,6 +60,24 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """The current directory first on ``sys.path`` for the block, as ``python -m`` puts it.
+
+    A console script's ``sys.path[0]`` is the script's own folder, so without this ``--model
+    mymodels:build`` could not import ``./mymodels.py``.
+    """
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def _load_model(spec: str) -> Any:
     import importlib
 
@@ -48,8 +86,9 @@ def _load_model(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--model takes 'module:callable', got {spec!r}")
-    obj = getattr(importlib.import_module(module_name), attr)
-    model = obj if isinstance(obj, nn.Module) else obj()
+    with _cwd_importable():  # the builder may import its siblings too
+        obj = getattr(importlib.import_module(module_name), attr)
+        model = obj if isinstance(obj, nn.Module) else obj()
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"--model {spec} gave {type(model).__name__}, not an nn.Sequential")
     return model
@@ -77,39 +116,66 @@ def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[f
             [float(b) for b in prof.parameter_bytes])
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fastpipe`` argument parser: subcommands ``plan``, ``train`` and ``bench``."""
+    from fastpipe._version import __version__
+
     parser = argparse.ArgumentParser(prog="fastpipe", description="fastpipe: pipeline-parallel training tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="balance per-layer costs over stages and predict the schedule")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--costs", type=_floats, help="forward cost per layer, e.g. '1,2,3,4'")
-    source.add_argument("--model", help="'module:callable' returning an nn.Sequential (profiled on --sample-shape)")
+    parser.add_argument("--version", action="version", version=f"fastpipe {__version__}")
+    # Not required=True: without a command, main prints this help instead of argparse's one-line error.
+    sub = parser.add_subparsers(dest="command", metavar="{plan,train,bench}")
+    p = sub.add_parser("plan", help="balance per-layer costs over stages and predict the schedule",
+                       description="Balance layers over pipeline stages (the balance: layers per stage) and "
+                                   f"predict the schedule's step. Example: {_PLAN_EXAMPLE}",
+                       usage=_PLAN_USAGE, formatter_class=_HelpFormatter)
+    # The costs, --partitions and --microbatches are checked in _plan, which says what each one is.
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--costs", type=_floats, help="forward cost per layer, e.g. '1,2,3,4' (this or --model)")
+    source.add_argument("--model", help="'module:callable' returning an nn.Sequential, profiled on --sample-shape; "
+                                        "the module may sit in the current directory (this or --costs)")
     p.add_argument("--sample-shape", type=_ints, default=None, help="mini-batch shape for --model, e.g. '256,512'")
     p.add_argument("--sample-dtype", default="float32", help="float32 | bfloat16 | int64 (token ids)")
     p.add_argument("--vocab", type=int, default=1000, help="upper bound of random token ids (int64 samples)")
     p.add_argument("--state-factor", type=float, default=4.0,
                    help="bytes kept per parameter byte: parameter, gradient, optimizer state (4 for Adam)")
     p.add_argument("--bwd-costs", type=_floats, default=None, help="backward cost per layer (default 2x forward)")
-    p.add_argument("--partitions", type=int, required=True, help="pipeline workers K")
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step M")
-    p.add_argument("--schedule", default="gpipe", choices=SCHEDULES)
+    p.add_argument("--partitions", type=int, help="pipeline workers K the layers are balanced over (required)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step M (required)")
+    p.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule the plan is for")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per worker (interleaved)")
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
     p.add_argument("--memory-limit", type=float, default=None, help="most bytes one stage may hold")
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
     t = sub.add_parser("train", help="train a character-level GPT on the standard library's sources through Pipe",
-                       description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.")
+                       description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.",
+                       formatter_class=_HelpFormatter)
     from fastpipe.train import add_arguments as add_train_arguments
 
     add_train_arguments(t)
-    b = sub.add_parser("bench", help="the benchmark suite: JSON, PNG charts and a markdown table")
+    b = sub.add_parser("bench", help="the benchmark suite: JSON, PNG charts and a markdown table",
+                       description="The benchmark suite: writes bench.json, PNG charts and results.md to --out.",
+                       formatter_class=_HelpFormatter)
     from fastpipe.bench.suite import add_arguments as add_bench_arguments
 
     add_bench_arguments(b)
     return parser
 
 
+def _check_plan(args: argparse.Namespace) -> None:
+    """Says what is missing in words a first run understands, with a command that works."""
+    missing = []
+    if args.costs is None and args.model is None:
+        missing.append("the layers' costs (--costs 1,2,3,4, or --model module:callable to profile them)")
+    if args.partitions is None:
+        missing.append("--partitions K (the pipeline workers to balance the layers over)")
+    if args.microbatches is None:
+        missing.append("--microbatches M (the micro-batches per step)")
+    if missing:
+        raise ValueError(f"fastpipe plan needs {'; '.join(missing)}. Example: {_PLAN_EXAMPLE}")
+
+
 def _plan(args: argparse.Namespace) -> int:
+    _check_plan(args)
     acts: list[float] | None = None
     params: list[float] | None = None
     if args.model is not None:
@@ -158,7 +224,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
     try:
         if args.command == "plan":
             return _plan(args)

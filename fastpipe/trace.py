@@ -28,6 +28,21 @@ _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "U"
 _COMM_COLOUR = "#bbbbbb"
 
 
+def _time_axis(span: float, unit: str) -> tuple[float, str]:
+    """The factor from the timeline's unit to the axis's, and the axis's unit.
+
+    Seconds are drawn in the unit that keeps the span's figures short (a step is usually milliseconds);
+    any other unit (the simulator's cost units) is drawn as it is.
+    """
+    if unit != "s":
+        return 1.0, unit
+    if span < 1e-3:
+        return 1e6, "µs"
+    if span < 10:
+        return 1e3, "ms"
+    return 1.0, "s"
+
+
 def _parse(action: str) -> tuple[int, str, int] | None:
     match = _ACTION_RE.match(action)
     if match is None:
@@ -176,8 +191,15 @@ class Timeline:
         with open(path, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
-    def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+    def plot(self, path: str | os.PathLike[str], title: str | None = None, *, unit: str = "s") -> None:
         """Draws a PNG Gantt chart: one row per worker, a colour per kind, micro-batch numbers in the boxes.
+
+        Args:
+            path: where the PNG goes.
+            title: the chart's title (default: the makespan and the bubble).
+            unit: the unit of the events' times, for the x-axis label: ``"s"`` for a runtime's timeline
+                (drawn in ms, or µs or s where those read better), else the label as given, e.g.
+                ``"cost units"`` for a simulated one.
 
         Raises:
             ImportError: if matplotlib is missing (``pip install matplotlib``).
@@ -193,6 +215,7 @@ class Timeline:
         events = self.events
         origin = min((e.start for e in events), default=0.0)
         span = self.makespan or 1.0
+        scale, shown = _time_axis(span, unit)
         fig, ax = plt.subplots(figsize=(min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40),
                                         1 + 0.5 * self.num_workers))
         for e in events:
@@ -200,22 +223,22 @@ class Timeline:
             colour = _COMM_COLOUR if e.kind in _COMM else _COLOURS.get(e.kind, "#8172b2")
             height = 0.4 if e.kind in _COMM else 0.8
             if e.kind == "U" and e.duration < span / 200:  # an update too short to see: a tick at its time
-                ax.vlines(e.start - origin, e.worker - 0.45, e.worker + 0.45, colors=colour, linewidth=2)
+                ax.vlines((e.start - origin) * scale, e.worker - 0.45, e.worker + 0.45, colors=colour, linewidth=2)
                 continue
-            ax.broken_barh([(e.start - origin, e.duration)], (e.worker - height / 2, height),
+            ax.broken_barh([((e.start - origin) * scale, e.duration * scale)], (e.worker - height / 2, height),
                            facecolors=colour, edgecolors="black", linewidth=0.3)
             if parsed is not None and e.kind not in _COMM and e.duration > span / 200:
-                ax.text(e.start - origin + e.duration / 2, e.worker, str(parsed[2]),
+                ax.text((e.start - origin + e.duration / 2) * scale, e.worker, str(parsed[2]),
                         ha="center", va="center", fontsize=7, color="white")
         ax.set_yticks(range(self.num_workers))
         ax.set_yticklabels([f"worker {w}" for w in range(self.num_workers)])
         ax.invert_yaxis()
-        ax.set_xlim(0, span)
-        ax.set_xlabel("time")
+        ax.set_xlim(0, span * scale)
+        ax.set_xlabel(f"time ({shown})")
         kinds = sorted({e.kind for e in events if e.kind in _COLOURS})
         handles = [Patch(color=_COLOURS[k], label=k) for k in kinds]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-        ax.set_title(title or f"makespan {span:.4g}, bubble {self.bubble_fraction:.1%}")
+        ax.set_title(title or f"makespan {span * scale:.4g} {shown}, bubble {self.bubble_fraction:.1%}")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

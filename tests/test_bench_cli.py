@@ -52,3 +52,25 @@ def test_quick_e2e_and_schedules(tmp_path: object, capsys: pytest.CaptureFixture
 def test_unknown_part_is_refused(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--only", "e2e,warp", "--out", str(tmp_path)]) == 2
     assert "unknown part(s) warp" in capsys.readouterr().err
+
+
+def test_bench_says_where_it_wrote(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(str(tmp_path))
+    assert main(["bench", "--tiny", "--only", "schedules", "--out", "out", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    wrote = [line for line in lines if line.startswith("fastpipe bench: wrote ")]
+    assert len(wrote) == 1 and wrote[0].endswith(f" in {os.path.join(str(tmp_path), 'out')}")
+    for name in ("bench.json", "results.md"):
+        assert name in wrote[0] and os.path.exists(os.path.join("out", name))
+    assert lines[-1].startswith("JSON ")  # still the last line, for bench/gpu_check.sh
+
+
+def test_bench_prints_the_kernel_tables_once(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    out = os.path.join(str(tmp_path), "out")
+    assert main(["bench", "--quick", "--tiny", "--only", "kernels", "--out", out, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("MLP block 512/2048 (p=0.0)") == 1  # the markdown table only, not the raw one before it
+    assert [line for line in text.splitlines() if line.startswith("JSON ")] == [text.strip().splitlines()[-1]]
+    with open(os.path.join(out, "kernels.json")) as f:
+        assert {"correctness", "saved_bytes"} <= set(json.load(f))

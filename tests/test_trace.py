@@ -53,9 +53,44 @@ def test_chrome_trace_has_one_event_per_action(tmp_path: Path) -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "gantt.png"
-    simulate(build("1f1b", 4, 8).with_communication(), comm=0.2).plot(path, title="1f1b")
+    simulate(build("1f1b", 4, 8).with_communication(), comm=0.2).plot(path, title="1f1b", unit="cost units")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def _drawn_xaxis(monkeypatch: pytest.MonkeyPatch, timeline: Timeline, path: Path, **kwargs: str) -> tuple:
+    """The x-axis label and limits of the chart ``timeline.plot`` saves."""
+    from matplotlib.figure import Figure
+
+    seen: list[tuple] = []
+    save = Figure.savefig
+
+    def spy(fig: Figure, *args: object, **kw: object) -> None:
+        ax = fig.axes[0]
+        seen.append((ax.get_xlabel(), ax.get_xlim()))
+        save(fig, *args, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    timeline.plot(path, **kwargs)
+    return seen[0]
+
+
+@pytest.mark.parametrize("span, label, right", [(0.25, "time (ms)", 250.0), (4e-4, "time (µs)", 400.0),
+                                                (30.0, "time (s)", 30.0)])
+def test_plot_labels_the_time_axis_with_its_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, span: float,
+                                                 label: str, right: float) -> None:
+    pytest.importorskip("matplotlib")
+    start, half = 10.0, span / 2  # seconds, as a runtime records them
+    measured = Timeline(2, [TimelineEvent(0, "0F0", start, start + half),
+                            TimelineEvent(1, "1F0", start + half, start + span)])
+    xlabel, xlim = _drawn_xaxis(monkeypatch, measured, tmp_path / "measured.png")
+    assert xlabel == label and xlim == pytest.approx((0.0, right))
+
+
+def test_plot_of_a_simulated_timeline_says_cost_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    simulated = simulate(build("gpipe", 2, 2))
+    assert _drawn_xaxis(monkeypatch, simulated, tmp_path / "sim.png", unit="cost units")[0] == "time (cost units)"
 
 
 def test_record_is_thread_safe() -> None:

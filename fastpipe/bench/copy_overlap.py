@@ -12,7 +12,7 @@ torch matmul in the main thread (torch.set_num_threads(1)); a 2-core machine can
 run both at once. CUDA: pinned H2D + D2H copies on a runtime copy stream, matmuls on the
 torch current stream.
 
-Usage: python bench/copy_overlap.py [--backend auto|host|cuda] [--runs 5] [--target-ms 200]
+Usage: python -m fastpipe.bench.copy_overlap [--backend auto|host|cuda] [--runs 5] [--target-ms 200]
 Prints a small table and one JSON line (prefix ``JSON ``).
 """
 

@@ -6,7 +6,8 @@ against float64 and the saved-activation-bytes table only (CPU times say nothing
 
 Usage::
 
-    python bench/kernels.py [--json out.json] [--rows N] [--hidden H]
+    python -m fastpipe.bench.kernels [--json out.json] [--rows N] [--hidden H]
+    fastpipe bench --only kernels     # the same, as one part of the suite
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastpipe.kernels as fk
-from fastpipe.bench.report import write_json  # noqa: E402
+from fastpipe.bench.report import write_json
 from fastpipe.kernels.memory import count_saved_bytes
 
-__all__ = ["main"]
+__all__ = ["main", "run_kernels"]
 
 
 # --------------------------------------------------------------------------- eager references
@@ -236,35 +237,56 @@ def _print_table(title: str, rows: list[dict]) -> None:
         print("  ".join(fmt(r.get(k, "")).ljust(w) for k, w in zip(keys, widths, strict=True)))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write results here")
-    ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--hidden", type=int, default=None)
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--cpu-timings", action="store_true", help="time on CPU too (smoke test of the GPU code path)")
-    args = ap.parse_args(argv)
+def run_kernels(rows: int | None = None, hidden: int | None = None, use_compile: bool = True,
+                cpu_timings: bool = False) -> dict[str, Any]:
+    """Measures every fused op and returns the results; prints nothing (see :func:`main` for the tables).
+
+    Args:
+        rows: rows of the timed inputs (default 16384 on a GPU, 64 on CPU).
+        hidden: their width (default 4096 on a GPU, 256 on CPU).
+        use_compile: also time ``torch.compile`` of the eager reference.
+        cpu_timings: time on CPU too (a smoke test of the GPU code path; the figures mean nothing).
+
+    Returns:
+        ``device``, ``torch``, ``triton_interpret``, ``path``, ``correctness`` and ``saved_bytes``; with timings
+        also ``copy_gbs``, ``shape`` and ``timings``.
+    """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     path = "triton" if (cuda or interp) and fk.HAS_TRITON else "reference"
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    result: dict = dict(device=device_name, torch=torch.__version__, triton_interpret=interp, path=path)
+    result: dict[str, Any] = dict(device=device_name, torch=torch.__version__, triton_interpret=interp, path=path)
     torch.manual_seed(0)
     small = make_cases(7, 1000, 1000 if interp else 4099, device, torch.float32)
     result["correctness"] = correctness(small)
     result["saved_bytes"] = saved_bytes_table(device)
-    _print_table(f"correctness: fp32 kernels vs float64 torch ({result['path']} path)", result["correctness"])
-    _print_table("saved activation bytes (fp32, parameters excluded)", result["saved_bytes"])
-    if cuda or args.cpu_timings:
-        rows, hidden = args.rows or (16384 if cuda else 64), args.hidden or (4096 if cuda else 256)
+    if cuda or cpu_timings:
+        rows, hidden = rows or (16384 if cuda else 64), hidden or (4096 if cuda else 256)
         dtype = torch.bfloat16 if cuda else torch.float32
         result["copy_gbs"] = copy_bandwidth_gbs()
         result["shape"] = dict(rows=rows, hidden=hidden, vocab=32000, dtype=str(dtype))
         cases = make_cases(rows, hidden, 32000, device, dtype)
-        result["timings"] = timings(cases, result["copy_gbs"], use_compile=not args.no_compile)
+        result["timings"] = timings(cases, result["copy_gbs"], use_compile=use_compile)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m fastpipe.bench.kernels``: measures, prints the tables and a ``JSON`` line, returns the results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--rows", type=int, default=None, help="rows of the timed inputs (default: 16384 GPU, 64 CPU)")
+    ap.add_argument("--hidden", type=int, default=None, help="width of the timed inputs (default: 4096 GPU, 256 CPU)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--cpu-timings", action="store_true", help="time on CPU too (smoke test of the GPU code path)")
+    args = ap.parse_args(argv)
+    result = run_kernels(args.rows, args.hidden, use_compile=not args.no_compile, cpu_timings=args.cpu_timings)
+    _print_table(f"correctness: fp32 kernels vs float64 torch ({result['path']} path)", result["correctness"])
+    _print_table("saved activation bytes (fp32, parameters excluded)", result["saved_bytes"])
+    if "timings" in result:
+        shape = result["shape"]
         print(f"\ncopy bandwidth: {result['copy_gbs']:.0f} GB/s")
-        _print_table(f"fwd+bwd, {dtype}, rows={rows} hidden={hidden}", result["timings"])
+        _print_table(f"fwd+bwd, {shape['dtype']}, rows={shape['rows']} hidden={shape['hidden']}", result["timings"])
     else:
         print("\n(no CUDA device: timings skipped; CPU times would not predict GPU behaviour)")
     write_json(result, args.json)

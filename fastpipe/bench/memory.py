@@ -134,7 +134,7 @@ def plot_memory(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
     width = 0.8 / len(_MODES)
     for j, mode in enumerate(_MODES):
         sel = [r for r in rows if r["mode"] == mode]
@@ -142,10 +142,13 @@ def plot_memory(result: dict[str, Any], path: str) -> None:
         ax.bar(xs, [r["largest_blocks"] for r in sel], width, label=mode)
         for x, r in zip(xs, sel):
             ax.text(x, r["largest_blocks"], f"{r['ratio_to_plain']:.1f}x", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([i + width for i in range(len(result["batches"]))], [f"batch {b}" for b in result["batches"]])
+    centre = (len(_MODES) - 1) * width / 2
+    ax.set_xticks([i + centre for i in range(len(result["batches"]))], [f"batch {b}" for b in result["batches"]])
+    ax.set_ylim(0, 1.12 * max((r["largest_blocks"] for r in rows), default=1))  # room for the ratio labels
     ax.set_ylabel("largest model (blocks)")
     ax.set_title(f"one device, budget {result['budget_bytes'] / 2**30:.0f} GiB")
-    ax.legend(fontsize=8)
+    # Beside the axes, not over them: the tallest bars reach the top on every host.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="mode", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -8,7 +8,7 @@ worker. Peak activations count (stage, micro-batch) pairs alive on a worker (see
 
 Usage::
 
-    python bench/schedules.py --json bench/schedules.json --png bench/schedules.png
+    python -m fastpipe.bench.schedules --json bench/out/schedules.json --png bench/out/schedules.png
 """
 
 from __future__ import annotations
@@ -60,20 +60,40 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Schedules coincide on some panels (1f1b and zb-h1 keep the same activations), so each series
+# has its own marker, line style and marker size: hollow markers, largest first, stay visible as
+# concentric shapes where points coincide, and a dotted line over a dashed one still shows both.
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_LINES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2, 4, 2)))
+
+
+def _style(index: int) -> dict[str, Any]:
+    return {"marker": _MARKERS[index % len(_MARKERS)], "linestyle": _LINES[index % len(_LINES)],
+            "markersize": max(11 - 2 * index, 4), "markerfacecolor": "none", "markeredgewidth": 1.5,
+            "linewidth": 1.5}
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Draws bubble and peak activations against M, one column per K (matplotlib)."""
+    """Draws bubble and peak activations against M, one column per K (matplotlib).
+
+    Every schedule has its own colour, marker and line style, and one legend above the panels names
+    them all.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for col, k in enumerate(sorted({r["K"] for r in rows})):
-        for name in dict.fromkeys(r["schedule"] for r in rows):
+    ks = sorted({r["K"] for r in rows})
+    names = list(dict.fromkeys(r["schedule"] for r in rows))
+    fig, axes = plt.subplots(2, len(ks), figsize=(5.5 * len(ks), 7.5), squeeze=False)
+    for col, k in enumerate(ks):
+        for i, name in enumerate(names):
             sel = [r for r in rows if r["K"] == k and r["schedule"] == name]
             ms = [r["M"] for r in sel]
-            axes[0][col].plot(ms, [r["bubble"] for r in sel], marker="o", label=name)
-            axes[1][col].plot(ms, [r["peak_worker0_equiv"] for r in sel], marker="o", label=name)
+            style = _style(i)
+            axes[0][col].plot(ms, [r["bubble"] for r in sel], color=f"C{i}", label=name, **style)
+            axes[1][col].plot(ms, [r["peak_worker0_equiv"] for r in sel], color=f"C{i}", label=name, **style)
         for row, label in enumerate(("bubble fraction", "peak activations, worker 0 (micro-batches)")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
@@ -82,9 +102,11 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             ax.set_title(f"K = {k}")
             ax.grid(alpha=0.3)
         axes[1][col].set_yscale("log", base=2)
-    axes[0][0].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("Simulated schedules, unit costs F = B = W = 1")
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=len(names), fontsize=9,
+               frameon=False, markerscale=0.8)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -130,12 +130,13 @@ def _copy(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]
 
 
 def _kernels(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
-    from fastpipe.bench.kernels import main as kernels_main
+    from fastpipe.bench.kernels import run_kernels
+    from fastpipe.bench.report import write_json
 
-    argv = ["--json", os.path.join(out, "kernels.json")]
-    if args.quick or args.tiny:
-        argv.append("--no-compile")
-    return dict(kernels_main(argv))
+    # The suite prints the kernel tables once, in results.md's markdown; run_kernels prints nothing.
+    result = run_kernels(use_compile=not (args.quick or args.tiny))
+    write_json(result, os.path.join(out, "kernels.json"))
+    return result
 
 
 def _memory(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
@@ -153,6 +154,17 @@ _RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] 
     "e2e": _e2e, "schedules": _schedules, "distributed": _distributed, "copy": _copy, "kernels": _kernels,
     "memory": _memory,
 }
+
+
+# The files each part may write beside bench.json and results.md (a chart needs matplotlib).
+_FILES: dict[str, tuple[str, ...]] = {"e2e": ("e2e.png",), "schedules": ("schedules.png",),
+                                      "kernels": ("kernels.json",), "memory": ("memory.png",)}
+
+
+def _written(out: str, names: list[str]) -> list[str]:
+    """The names of the files this run wrote to ``out``, in the order of its parts."""
+    files = ["bench.json", "results.md"] + [f for n in names for f in _FILES.get(n, ())]
+    return [f for f in files if os.path.exists(os.path.join(out, f))]
 
 
 def _host() -> dict[str, Any]:
@@ -194,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(markdown)
     print(markdown)
+    print(f"fastpipe bench: wrote {', '.join(_written(args.out, names))} in {os.path.abspath(args.out)}")
     summary = {n: [e["status"], round(e["seconds"], 1)] for n, e in report["parts"].items()}
     print("JSON " + json.dumps(summary))  # one line for bench/gpu_check.sh's summary table
     return 1 if failed else 0

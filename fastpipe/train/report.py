@@ -6,8 +6,8 @@ import json
 import os
 from typing import Any
 
-from fastpipe.bench.timing import simulate_measured
 from fastpipe.schedule import Schedule
+from fastpipe.timing import simulate_measured
 from fastpipe.trace import Timeline
 
 __all__ = ["write_report", "REPORT_KEYS"]

@@ -1,4 +1,9 @@
-"""From a measured timeline to per-action costs, and the simulator's prediction from them."""
+"""From a measured timeline to per-action costs, and the simulator's prediction from them.
+
+A runtime's :class:`~fastpipe.trace.Timeline` records seconds per action; :func:`action_costs` takes the
+median per action kind and stage, and :func:`simulate_measured` prices a schedule with them, so a measured
+bubble can be set beside the one the simulator predicts (``fastpipe train``'s report, the benchmarks).
+"""
 
 from __future__ import annotations
 
