@@ -84,10 +84,13 @@ class Timeline:
     Args:
         num_workers: number of workers (rows).
         events: initial events.
+        unit: the unit of the events' times: ``"s"`` for a runtime's timeline, ``"cost units"``
+            for a simulated one (the simulator's costs are relative).
     """
 
-    def __init__(self, num_workers: int, events: Iterable[TimelineEvent] = ()) -> None:
+    def __init__(self, num_workers: int, events: Iterable[TimelineEvent] = (), unit: str = "s") -> None:
         self.num_workers = num_workers
+        self.unit = unit
         self._events: list[TimelineEvent] = list(events)
         self._lock = threading.Lock()
 
@@ -160,12 +163,13 @@ class Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; see :meth:`from_dict`."""
-        return {"num_workers": self.num_workers, "events": [asdict(e) for e in self.events]}
+        return {"num_workers": self.num_workers, "unit": self.unit, "events": [asdict(e) for e in self.events]}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Timeline:
         """Rebuilds a timeline written by :meth:`to_dict`."""
-        return Timeline(int(data["num_workers"]), (TimelineEvent(**e) for e in data["events"]))
+        return Timeline(int(data["num_workers"]), (TimelineEvent(**e) for e in data["events"]),
+                        unit=str(data.get("unit", "s")))
 
     def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Writes Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing).
@@ -191,15 +195,15 @@ class Timeline:
         with open(path, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
-    def plot(self, path: str | os.PathLike[str], title: str | None = None, *, unit: str = "s") -> None:
+    def plot(self, path: str | os.PathLike[str], title: str | None = None, *, unit: str | None = None) -> None:
         """Draws a PNG Gantt chart: one row per worker, a colour per kind, micro-batch numbers in the boxes.
 
         Args:
             path: where the PNG goes.
             title: the chart's title (default: the makespan and the bubble).
-            unit: the unit of the events' times, for the x-axis label: ``"s"`` for a runtime's timeline
-                (drawn in ms, or µs or s where those read better), else the label as given, e.g.
-                ``"cost units"`` for a simulated one.
+            unit: the unit of the events' times, for the x-axis label (default: the timeline's
+                own ``unit``): ``"s"`` is drawn in ms, or µs or s where those read better; any other
+                unit is labelled as given.
 
         Raises:
             ImportError: if matplotlib is missing (``pip install matplotlib``).
@@ -215,7 +219,7 @@ class Timeline:
         events = self.events
         origin = min((e.start for e in events), default=0.0)
         span = self.makespan or 1.0
-        scale, shown = _time_axis(span, unit)
+        scale, shown = _time_axis(span, self.unit if unit is None else unit)
         fig, ax = plt.subplots(figsize=(min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40),
                                         1 + 0.5 * self.num_workers))
         for e in events:

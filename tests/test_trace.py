@@ -53,7 +53,7 @@ def test_chrome_trace_has_one_event_per_action(tmp_path: Path) -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "gantt.png"
-    simulate(build("1f1b", 4, 8).with_communication(), comm=0.2).plot(path, title="1f1b", unit="cost units")
+    simulate(build("1f1b", 4, 8).with_communication(), comm=0.2).plot(path, title="1f1b")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
@@ -90,7 +90,10 @@ def test_plot_labels_the_time_axis_with_its_unit(tmp_path: Path, monkeypatch: py
 def test_plot_of_a_simulated_timeline_says_cost_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")
     simulated = simulate(build("gpipe", 2, 2))
-    assert _drawn_xaxis(monkeypatch, simulated, tmp_path / "sim.png", unit="cost units")[0] == "time (cost units)"
+    assert simulated.unit == "cost units" and Timeline.from_dict(simulated.to_dict()).unit == "cost units"
+    # The timeline knows its unit: no argument needed, and an explicit one still wins.
+    assert _drawn_xaxis(monkeypatch, simulated, tmp_path / "sim.png")[0] == "time (cost units)"
+    assert _drawn_xaxis(monkeypatch, simulated, tmp_path / "sim.png", unit="s")[0] != "time (cost units)"
 
 
 def test_record_is_thread_safe() -> None:

@@ -119,7 +119,7 @@ def simulate(
         The timeline, in the same units as the costs.
     """
     times = simulate_times(schedule, forward, backward, weight, comm, combined, update)
-    timeline = Timeline(schedule.num_workers)
+    timeline = Timeline(schedule.num_workers, unit="cost units")
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
     return timeline
