@@ -119,7 +119,7 @@ class DistributedPipe(nn.Module):
         bucket_bytes: size of one data-parallel gradient all-reduce bucket.
     """
 
-    def __init__(self, module: nn.Sequential | None, balance: Sequence[int], *, chunks: int = 1,
+    def __init__(self, module: nn.Sequential | None, balance: Sequence[int] | None = None, *, chunks: int = 1,
                  schedule: str = "1f1b", checkpoint: Checkpoint = "except_last", process_group: Any = None,
                  mesh: Any = None, dp_group: Any = None, device: torch.device | str | None = None,
                  deferred_batch_norm: bool = False, timeout: float = DEFAULT_TIMEOUT,
@@ -127,6 +127,9 @@ class DistributedPipe(nn.Module):
                  bucket_bytes: int = 25 << 20,
                  _stage_modules: dict[int, nn.Sequential] | None = None) -> None:
         super().__init__()
+        if balance is None:
+            raise TypeError("fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage "
+                            "per pipeline rank, or a multiple of the ranks with schedule='interleaved')")
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)

@@ -115,7 +115,7 @@ class Pipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Sequence[int] | Literal["auto"],
+        balance: Sequence[int] | Literal["auto"] | None = None,
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
@@ -137,6 +137,12 @@ class Pipe(nn.Module):
                 "(or mesh=...) on every rank instead"
             )
         module = check_module(module)
+        if balance is None:
+            raise TypeError(
+                f"fastpipe: Pipe needs balance=, the number of layers per stage summing to len(module) = "
+                f"{len(module)} (e.g. balance=[{(len(module) + 1) // 2}, {len(module) // 2}] for two stages), "
+                "or balance='auto' to plan it from a sample mini-batch (sample=x)"
+            )
         check_materialised(module)
         check_chunks(chunks)
         check_checkpoint(checkpoint)
