@@ -2,15 +2,25 @@
 
 The map of the package (each module imports only those above it):
 
-* :mod:`fastpipe.balance.plan`: the planner (:func:`plan`, :func:`predict`), the layer profiler
-  (:func:`profile_layers`) and torchgpipe's balancers (:func:`by_time`, :func:`by_size`).
+* :mod:`fastpipe.balance.bottleneck`: :func:`~fastpipe.balance.bottleneck.min_bottleneck`, the exact DP
+  for the least largest stage cost (the planner's starting point, and ``by_size``'s answer).
+* :mod:`fastpipe.balance.plan`: the planner, pure (no threads, no processes). :func:`plan` searches
+  contiguous partitions by branch and bound and scores each one by simulating the chosen schedule
+  (:func:`fastpipe.schedule.simulate`); :func:`predict` simulates one given partition.
+* :mod:`fastpipe.balance.profile`: :func:`profile_layers` runs each layer once per repeat on one
+  micro-batch and measures its forward and backward time, saved activations and parameters
+  (:class:`LayerProfile`).
+* :mod:`fastpipe.balance.torchgpipe`: torchgpipe's balancers, :func:`by_time` (profile, then
+  :func:`plan`) and :func:`by_size` (profile, then the least largest stage memory).
 * :mod:`fastpipe.balance.auto`: :func:`auto_balance`, the balance behind ``Pipe(..., balance="auto")``.
 
 Everything public is importable from ``fastpipe.balance`` itself.
 """
 
 from fastpipe.balance.auto import auto_balance
-from fastpipe.balance.plan import BalanceError, LayerProfile, by_size, by_time, plan, predict, profile_layers
+from fastpipe.balance.plan import BalanceError, plan, predict
+from fastpipe.balance.profile import LayerProfile, profile_layers
+from fastpipe.balance.torchgpipe import by_size, by_time
 
 __all__ = [
     "BalanceError",

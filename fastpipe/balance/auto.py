@@ -15,7 +15,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fastpipe.balance.plan import BalanceError, LayerProfile, plan, profile_layers
+from fastpipe.balance.plan import BalanceError, plan
+from fastpipe.balance.profile import LayerProfile, profile_layers
 from fastpipe.partition import resolve_devices, tied_blocks
 from fastpipe.schedule import ScheduleError, build, simulate
 

@@ -1,59 +1,29 @@
-"""The planner, the layer profiler and torchgpipe's balancers.
+"""The planner: the contiguous partition of a layer list with the least simulated step time.
 
-The planner is pure (no threads, no processes): it searches partitions and scores each one by simulating
-the chosen schedule (:func:`fastpipe.schedule.simulate`). Profiling (:func:`profile_layers`) runs each layer
-once per repeat on the caller's device.
+Pure (no threads, no processes, no tensors): :func:`plan` searches partitions by branch and bound and scores
+each one by simulating the chosen schedule (:func:`fastpipe.schedule.simulate`); :func:`predict` simulates
+one given partition.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import statistics
-import time
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import torch
-from torch import nn
-
+from fastpipe.balance.bottleneck import min_bottleneck
 from fastpipe.schedule import ScheduleError, build, simulate
 from fastpipe.schedule.simulate import CompiledSimulation
 from fastpipe.trace import Timeline
 
-__all__ = [
-    "BalanceError",
-    "LayerProfile",
-    "by_size",
-    "by_time",
-    "plan",
-    "predict",
-    "profile_layers",
-]
+__all__ = ["BalanceError", "plan", "predict"]
 
+# Relative margin by which a partition must beat the incumbent, so that float noise never wins.
 _REL_TOL = 1e-9
 
 
 class BalanceError(ValueError):
     """No partition satisfies the request (too few layers, memory limit too small, bad costs)."""
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """Per-layer measurements of one micro-batch (the profiled sample).
-
-    Attributes:
-        forward: forward seconds per layer (median of the repeats).
-        backward: backward seconds per layer (median).
-        activation_bytes: bytes saved for backward by each layer, parameters excluded.
-        parameter_bytes: bytes of each layer's parameters.
-    """
-
-    forward: list[float]
-    backward: list[float]
-    activation_bytes: list[int]
-    parameter_bytes: list[int]
 
 
 def _stage_costs(balance: Sequence[int], costs: Sequence[float]) -> list[float]:
@@ -195,7 +165,7 @@ def plan(
             return evaluate(fwd, half, half)
         return evaluate(fwd, bwd, [0.0] * len(bwd))
 
-    start = _min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
+    start = min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
     if start is None:
         raise BalanceError(
             f"no partition into {stages} stages fits memory_limit={memory_limit} "
@@ -255,174 +225,4 @@ def plan(
         )
     final: list[int] = best[1]  # type: ignore[assignment]
     return [b - a for a, b in zip(final, final[1:])]
-
-
-def _min_bottleneck(
-    costs: Sequence[float], stages: int, memory: Sequence[float] | None = None, limit: float = math.inf
-) -> list[int] | None:
-    """Exact DP for the partition minimising the largest stage cost (None if memory never fits)."""
-    n = len(costs)
-    mem = list(memory) if memory is not None else [0.0] * n
-    prefix, pmem = [0.0], [0.0]
-    for c, x in zip(costs, mem):
-        prefix.append(prefix[-1] + c)
-        pmem.append(pmem[-1] + x)
-    inf = math.inf
-    # best[k][i]: least bottleneck for the first i layers in k stages.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf or pmem[i] - pmem[j] > limit:
-                    continue
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    if best[stages][n] == inf:
-        return None
-    balance, i = [], n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        balance.append(i - j)
-        i = j
-    return balance[::-1]
-
-
-def profile_layers(
-    module: nn.Sequential, sample: torch.Tensor, *, device: torch.device | str | None = None, repeats: int = 3,
-    on: torch.device | str | None = None,
-) -> LayerProfile:
-    """Measures each layer's forward and backward time and memory on ``sample`` (one micro-batch).
-
-    The input follows each layer to the device of its parameters; with ``on``, each layer is
-    measured on that device instead (moved there for its measurement and back afterwards, one
-    layer at a time, so a model too big for one device can still be profiled where it will run).
-    Activation bytes are the storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``),
-    parameters excluded, each storage counted once. Parameter ``.grad`` fields are restored afterwards.
-    """
-    if repeats < 1:
-        raise ValueError("repeats must be >= 1")
-    target = None if on is None else torch.device(on)
-    x = sample.to(device) if device is not None else sample
-    if target is not None:
-        x = x.to(target)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    acts: list[int] = []
-    params: list[int] = []
-    for layer in module:  # every entry: children() would skip a layer used twice
-        param_list = list(layer.parameters())
-        with _visiting(layer, param_list, target):
-            out = _profile_layer(layer, param_list, x, repeats, fwd, bwd, acts, params, follow=target is None)
-        x = out.detach()
-    return LayerProfile(fwd, bwd, acts, params)
-
-
-@contextlib.contextmanager
-def _visiting(layer: nn.Module, param_list: list[nn.Parameter], target: torch.device | None) -> Iterator[None]:
-    """Move ``layer`` to ``target`` for the block and back after it (its ``.grad`` fields stay put)."""
-    home = next(iter([*param_list, *layer.buffers()]), None)
-    if target is None or home is None or home.device == target:
-        yield
-        return
-    grads = [p.grad for p in param_list]
-    for p in param_list:
-        p.grad = None
-    layer.to(target)
-    try:
-        yield
-    finally:
-        for p in param_list:
-            p.grad = None
-        layer.to(home.device)
-        for p, g in zip(param_list, grads):
-            p.grad = g
-
-
-def _profile_layer(layer: nn.Module, param_list: list[nn.Parameter], x: torch.Tensor, repeats: int,
-                   fwd: list[float], bwd: list[float], acts: list[int], params: list[int],
-                   follow: bool) -> torch.Tensor:
-    if follow and param_list and param_list[0].device != x.device:
-        x = x.to(param_list[0].device)  # a model already spread over devices
-    cuda = x.is_cuda
-    param_ptrs = {p.untyped_storage().data_ptr() for p in param_list}
-    old_grads = [p.grad for p in param_list]
-    f_times, b_times, saved_bytes = [], [], 0
-    out = x
-    for _ in range(repeats):
-        inp = x.detach().requires_grad_(x.is_floating_point())
-        storages: dict[int, int] = {}
-
-        def pack(
-            t: torch.Tensor, storages: dict[int, int] = storages, params: set[int] = param_ptrs
-        ) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        t0 = time.perf_counter()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(inp)
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        t1 = time.perf_counter()
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"layer {layer.__class__.__name__} returned {type(out).__name__}, not a Tensor")
-        if out.requires_grad:
-            torch.autograd.backward(out, torch.ones_like(out))
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        t2 = time.perf_counter()
-        f_times.append(t1 - t0)
-        b_times.append(t2 - t1)
-        saved_bytes = sum(storages.values())
-    for p, g in zip(param_list, old_grads):
-        p.grad = g
-    fwd.append(statistics.median(f_times))
-    bwd.append(statistics.median(b_times))
-    acts.append(saved_bytes)
-    params.append(sum(p.numel() * p.element_size() for p in param_list))
-    return out
-
-
-def by_time(
-    module: nn.Sequential,
-    sample: torch.Tensor,
-    partitions: int,
-    *,
-    device: torch.device | str | None = None,
-    repeats: int = 3,
-    microbatches: int = 8,
-    schedule: str = "gpipe",
-) -> list[int]:
-    """Profiles forward/backward time per layer and returns :func:`plan`'s balance for ``schedule``."""
-    profile = profile_layers(module, sample, device=device, repeats=repeats)
-    return plan(profile.forward, profile.backward, partitions, microbatches=microbatches, schedule=schedule)
-
-
-def by_size(
-    module: nn.Sequential,
-    sample: torch.Tensor,
-    partitions: int,
-    *,
-    device: torch.device | str | None = None,
-    param_scale: float = 2.0,
-) -> list[int]:
-    """Balances memory: activation bytes plus ``param_scale`` x parameter bytes per layer.
-
-    ``param_scale`` counts the parameter with its gradient and optimizer state: about 2 for SGD, 4 for
-    Adam (parameter, gradient, two moments). Minimises the largest stage (exact DP).
-    """
-    profile = profile_layers(module, sample, device=device, repeats=1)
-    sizes = [a + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
-    if len(sizes) < partitions:
-        raise BalanceError(f"{len(sizes)} layers cannot fill {partitions} partitions")
-    balance = _min_bottleneck(sizes, partitions)
-    assert balance is not None
-    return balance
 
