@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Sequence
 
 from fastpipe.balance.bottleneck import min_bottleneck
-from fastpipe.schedule import ScheduleError, build, simulate
+from fastpipe.schedule import Schedule, ScheduleError, build, simulate
 from fastpipe.schedule.simulate import CompiledSimulation
 from fastpipe.trace import Timeline
 
@@ -115,6 +115,41 @@ def plan(
     so the answer is never worse than that classic "optimal bottleneck" partition. Measured: 40 layers,
     8 stages, M=8, 1F1B finishes in about 3 s on one CPU core.
     """
+    stages = partitions * virtual_stages
+    _check_plan_input(costs_fwd, costs_bwd, partitions, stages, memory, memory_limit)
+    try:
+        sched = build(schedule, partitions, microbatches, virtual_stages=virtual_stages)
+    except ScheduleError as exc:
+        raise BalanceError(str(exc)) from exc
+    n = len(costs_fwd)
+    mem = [float(x) for x in memory] if memory is not None else [0.0] * n
+    limit = math.inf if memory_limit is None else float(memory_limit)
+    search = _BranchAndBound(sched, comm, costs_fwd, costs_bwd, mem, limit, stages, microbatches, max_evaluations)
+    start = min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
+    if start is None:
+        raise BalanceError(
+            f"no partition into {stages} stages fits memory_limit={memory_limit} "
+            f"(largest layer needs {max(mem)}, total {search.pm[-1]})"
+        )
+    cuts = search.run(_bounds(start))
+    if search.budget <= 0:
+        warnings.warn(
+            f"balance.plan stopped after {max_evaluations} simulations; the balance is the best found, not "
+            "proven optimal (raise max_evaluations)",
+            stacklevel=2,
+        )
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _check_plan_input(
+    costs_fwd: Sequence[float],
+    costs_bwd: Sequence[float],
+    partitions: int,
+    stages: int,
+    memory: Sequence[float] | None,
+    memory_limit: float | None,
+) -> None:
+    """Raises :class:`BalanceError` on the first argument of :func:`plan` that no partition can satisfy."""
     n = len(costs_fwd)
     if len(costs_bwd) != n:
         raise BalanceError(f"costs_fwd has {n} layers but costs_bwd has {len(costs_bwd)}")
@@ -122,107 +157,137 @@ def plan(
         raise BalanceError("costs must be finite and >= 0")
     if partitions < 1:
         raise BalanceError(f"partitions must be >= 1, got {partitions}")
-    stages = partitions * virtual_stages
     if n < stages:
         raise BalanceError(f"{n} layers cannot fill {stages} stages (partitions x virtual_stages)")
     if memory_limit is not None and memory is None:
         raise BalanceError("memory_limit needs per-layer memory")
     if memory is not None and len(memory) != n:
         raise BalanceError(f"memory has {len(memory)} entries for {n} layers")
-    try:
-        build(schedule, partitions, microbatches, virtual_stages=virtual_stages)
-    except ScheduleError as exc:
-        raise BalanceError(str(exc)) from exc
-    sched = build(schedule, partitions, microbatches, virtual_stages=virtual_stages)
-    evaluate = CompiledSimulation(sched, comm)
-    split = sched.split_backward
-    mem = [float(x) for x in memory] if memory is not None else [0.0] * n
-    limit = math.inf if memory_limit is None else float(memory_limit)
-    pf, pb, pm = [0.0], [0.0], [0.0]
-    for f, b, x in zip(costs_fwd, costs_bwd, mem):
-        pf.append(pf[-1] + f)
-        pb.append(pb[-1] + b)
-        pm.append(pm[-1] + x)
-    # Per remaining stage, the cheapest single layer it could hold (each stage holds at least one).
-    min_f = [min(costs_fwd[i:]) for i in range(n)] + [0.0]
-    min_b = [min(costs_bwd[i:]) for i in range(n)] + [0.0]
 
-    def fits(a: int, b: int) -> bool:
-        return pm[b] - pm[a] <= limit
 
-    def lower_bound(cuts: list[int]) -> float:
-        fwd = [pf[b] - pf[a] for a, b in zip(cuts, cuts[1:])]
-        bwd = [pb[b] - pb[a] for a, b in zip(cuts, cuts[1:])]
-        left = stages - len(fwd)
+def _prefix_sums(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _bounds(balance: Sequence[int]) -> list[int]:
+    """Stage boundaries (layer indices, from 0 to the layer count) of a balance."""
+    out = [0]
+    for size in balance:
+        out.append(out[-1] + size)
+    return out
+
+
+class _BranchAndBound:
+    """The search state of :func:`plan`: prefix sums of the costs, the compiled simulator, the incumbent.
+
+    A partial partition is its list of cuts: ``[0, end of stage 0, end of stage 1, ...]``.
+    """
+
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: float | Sequence[float],
+        costs_fwd: Sequence[float],
+        costs_bwd: Sequence[float],
+        mem: Sequence[float],
+        limit: float,
+        stages: int,
+        microbatches: int,
+        budget: int,
+    ) -> None:
+        self.evaluate = CompiledSimulation(sched, comm)
+        self.split = sched.split_backward
+        self.microbatches = microbatches
+        self.stages = stages
+        self.n = n = len(costs_fwd)
+        self.limit = limit
+        self.pf, self.pb, self.pm = _prefix_sums(costs_fwd), _prefix_sums(costs_bwd), _prefix_sums(mem)
+        # Per remaining stage, the cheapest single layer it could hold (each stage holds at least one).
+        self.min_f = [min(costs_fwd[i:]) for i in range(n)] + [0.0]
+        self.min_b = [min(costs_bwd[i:]) for i in range(n)] + [0.0]
+        self.last_f, self.last_b = costs_fwd[-1], costs_bwd[-1]
+        self.budget = budget  # simulations left
+        self.best_time = math.inf
+        self.best_cuts: list[int] = []
+
+    def run(self, seed: list[int]) -> list[int]:
+        """Searches from the incumbent ``seed`` (complete cuts) and returns the best cuts found."""
+        self.best_time, self.best_cuts = self.lower_bound(seed), seed
+        self.search([0])
+        return self.best_cuts
+
+    def fits(self, a: int, b: int) -> bool:
+        """Whether layers ``a:b`` fit the memory limit as one stage."""
+        return self.pm[b] - self.pm[a] <= self.limit
+
+    def lower_bound(self, cuts: list[int]) -> float:
+        """Simulated makespan with each unassigned stage at the cheapest layer it could hold (exact if complete)."""
+        fwd = [self.pf[b] - self.pf[a] for a, b in zip(cuts, cuts[1:])]
+        bwd = [self.pb[b] - self.pb[a] for a, b in zip(cuts, cuts[1:])]
+        left = self.stages - len(fwd)
         a = cuts[-1]
-        fwd += [min_f[a]] * left
-        bwd += [min_b[a]] * left
+        fwd += [self.min_f[a]] * left
+        bwd += [self.min_b[a]] * left
         if left:
-            fwd[-1] = max(fwd[-1], costs_fwd[-1])
-            bwd[-1] = max(bwd[-1], costs_bwd[-1])
-        if split:
+            fwd[-1] = max(fwd[-1], self.last_f)
+            bwd[-1] = max(bwd[-1], self.last_b)
+        if self.split:
             half = [x / 2 for x in bwd]
-            return evaluate(fwd, half, half)
-        return evaluate(fwd, bwd, [0.0] * len(bwd))
+            return self.evaluate(fwd, half, half)
+        return self.evaluate(fwd, bwd, [0.0] * len(bwd))
 
-    start = min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
-    if start is None:
-        raise BalanceError(
-            f"no partition into {stages} stages fits memory_limit={memory_limit} "
-            f"(largest layer needs {max(mem)}, total {pm[-1]})"
-        )
-    cuts0 = [0]
-    for size in start:
-        cuts0.append(cuts0[-1] + size)
-    best: list[float | list[int]] = [lower_bound(cuts0), cuts0]
-
-    budget = [max_evaluations]
-
-    def analytic_ok(a: int, left: int, cut: float) -> bool:
+    def analytic_ok(self, a: int, left: int, cut: float) -> bool:
+        """Whether layers ``a:`` can fill ``left`` stages that each keep the per-stage bound under ``cut``."""
         # Relaxation: every remaining stage j needs F_j + M c_j (+ B_j) < cut; greedy filling is exact for it.
         for _ in range(left):
-            b = a
-            while b < n and fits(a, b + 1) and (
-                pf[a] + (0.0 if split else pb[a]) + microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut
-            ):
-                b += 1
+            b = self._greedy_end(a, cut)
             if b == a:
                 return False
             a = b
-            if a == n:
+            if a == self.n:
                 return True
-        return a == n
+        return a == self.n
 
-    def search(cuts: list[int]) -> None:
-        left = stages - len(cuts) + 1
+    def _greedy_end(self, a: int, cut: float) -> int:
+        """The furthest end of a stage starting at layer ``a`` that fits memory and keeps its bound under ``cut``."""
+        pf, pb = self.pf, self.pb
+        behind = pf[a] + (0.0 if self.split else pb[a])
+        b = a
+        while b < self.n and self.fits(a, b + 1) and (
+            behind + self.microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut
+        ):
+            b += 1
+        return b
+
+    def candidates(self, cuts: list[int]) -> list[int]:
+        """Ends of the next stage that fit memory, nearest the even split of the remaining layers first."""
+        left = self.stages - len(cuts) + 1
         a = cuts[-1]
         if left == 1:
-            candidates = [n] if fits(a, n) else []
+            ends = [self.n] if self.fits(a, self.n) else []
         else:
-            candidates = [b for b in range(a + 1, n - left + 2) if fits(a, b)]
-        ideal = a + (n - a) / left
-        for b in sorted(candidates, key=lambda e: abs(e - ideal)):
-            cut = float(best[0]) * (1 - _REL_TOL)  # type: ignore[arg-type]
-            if left > 1 and not analytic_ok(b, left - 1, cut):
+            ends = [b for b in range(a + 1, self.n - left + 2) if self.fits(a, b)]
+        ideal = a + (self.n - a) / left
+        return sorted(ends, key=lambda e: abs(e - ideal))
+
+    def search(self, cuts: list[int]) -> None:
+        """Tries every next stage after ``cuts`` that its bounds do not cut; updates the incumbent."""
+        left = self.stages - len(cuts) + 1
+        for b in self.candidates(cuts):
+            cut = self.best_time * (1 - _REL_TOL)
+            if left > 1 and not self.analytic_ok(b, left - 1, cut):
                 continue
-            if budget[0] <= 0:
+            if self.budget <= 0:
                 return
-            budget[0] -= 1
-            t = lower_bound(cuts + [b])
+            self.budget -= 1
+            t = self.lower_bound(cuts + [b])
             if t >= cut:
                 continue
             if left == 1:
-                best[0], best[1] = t, cuts + [b]
+                self.best_time, self.best_cuts = t, cuts + [b]
             else:
-                search(cuts + [b])
-
-    search([0])
-    if budget[0] <= 0:
-        warnings.warn(
-            f"balance.plan stopped after {max_evaluations} simulations; the balance is the best found, not "
-            "proven optimal (raise max_evaluations)",
-            stacklevel=2,
-        )
-    final: list[int] = best[1]  # type: ignore[assignment]
-    return [b - a for a, b in zip(final, final[1:])]
+                self.search(cuts + [b])
 
