@@ -47,6 +47,8 @@ def profile_layers(
     layer at a time, so a model too big for one device can still be profiled where it will run).
     Activation bytes are the storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``),
     parameters excluded, each storage counted once. Parameter ``.grad`` fields are restored afterwards.
+    Each layer runs on a copy of its input, so a layer that writes into its input (``ReLU(inplace=True)``)
+    can be profiled, even as the first layer, and ``sample`` is never written into.
 
     Args:
         module: the layers, profiled in order.
@@ -134,7 +136,11 @@ def _measure(
 def _run_once(layer: nn.Module, x: torch.Tensor, param_ptrs: set[int]) -> tuple[float, float, int, torch.Tensor]:
     """One timed forward and backward of ``layer``: seconds of each, bytes saved for backward, the output."""
     cuda = x.is_cuda
-    inp = x.detach().requires_grad_(x.is_floating_point())
+    # The layer runs on a copy that is not a leaf, as a layer inside a stage does: autograd refuses an
+    # in-place write (ReLU(inplace=True)) into a leaf that requires grad, and the copy keeps such a write
+    # out of ``x``, so every repeat, and the next layer, sees the same input. The copy is made before
+    # the clock starts; its backward only passes the gradient through.
+    inp = x.detach().requires_grad_(x.is_floating_point()).clone()
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
