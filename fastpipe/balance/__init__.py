@@ -14,7 +14,9 @@ The map of the package (each module imports only those above it):
   :func:`plan`) and :func:`by_size` (profile, then the least largest stage memory).
 * :mod:`fastpipe.balance.auto`: :func:`auto_balance`, the balance behind ``Pipe(..., balance="auto")``.
 
-Everything public is importable from ``fastpipe.balance`` itself.
+Everything public is importable from ``fastpipe.balance`` itself. The attribute ``fastpipe.balance.plan``
+is the function :func:`plan`, which the re-export puts over the module's name; reach the module with
+``from fastpipe.balance.plan import ...`` or ``importlib.import_module("fastpipe.balance.plan")``.
 """
 
 from fastpipe.balance.auto import auto_balance
