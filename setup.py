@@ -32,7 +32,7 @@ setup(
     version="0.1.0",
     description="Pipeline-parallel training for PyTorch: GPipe done right",
     packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.asynchronous", "fastpipe.kernels",
-              "fastpipe.train", "fastpipe.bench"],
+              "fastpipe.train", "fastpipe.bench", "fastpipe.balance"],
     package_dir={"fastpipe.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

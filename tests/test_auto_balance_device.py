@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import fastpipe.balance as balance
+import fastpipe.balance.auto as auto
 from fastpipe.balance import profile_layers
 
 
@@ -38,13 +39,13 @@ def test_each_layer_visits_the_target_and_goes_home_with_its_grad():
 
 def test_auto_balance_profiles_on_the_first_stage_device(monkeypatch):
     seen = {}
-    real = balance.profile_layers
+    real = auto.profile_layers
 
     def spy(*args, on=None, **kwargs):
         seen["on"] = on
         return real(*args, on=on, **kwargs)
 
-    monkeypatch.setattr(balance, "profile_layers", spy)
+    monkeypatch.setattr(auto, "profile_layers", spy)  # where auto_balance looks it up
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh())
     out = balance.auto_balance(model, ["cpu", "cpu"], torch.randn(8, 4), chunks=2)
     assert sum(out) == 4 and seen["on"] == torch.device("cpu")

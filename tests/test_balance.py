@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -112,6 +114,13 @@ def test_profile_layers_measures_time_and_memory() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_profile_of_a_slice_counts_the_slice() -> None:
+    # auto_balance profiles the first rows of the mini-batch: a view into the whole sample's storage.
+    sample = torch.randn(64, 8)
+    profile = profile_layers(_model(), sample[:16], repeats=1)
+    assert profile.activation_bytes[0] == 16 * 8 * 4
+
+
 def test_by_time_and_by_size_return_valid_balances() -> None:
     model = _model()
     sample = torch.randn(16, 8)
@@ -173,3 +182,46 @@ def test_cli_plan_model_errors(argv: list[str], message: str, capsys: pytest.Cap
     status = cli.main(["plan", *argv, "--partitions", "2", "--microbatches", "2"])
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+
+def _in_place_inside() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+
+
+def _in_place_first() -> nn.Sequential:
+    return nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("make", [_in_place_inside, _in_place_first], ids=["inside", "first"])
+def test_profilers_take_layers_that_write_into_their_input(make: Callable[[], nn.Sequential]) -> None:
+    # Each layer is profiled on a copy that is not a leaf, as inside a stage, so autograd allows
+    # ReLU(inplace=True); the caller's sample stays as it was.
+    from fastpipe import Pipe
+
+    torch.manual_seed(0)
+    model, sample = make(), torch.randn(8, 8)
+    kept = sample.clone()
+    profile = profile_layers(model, sample, repeats=2)
+    assert len(profile.forward) == len(model)
+    assert all(profile.activation_bytes[i] > 0 for i, layer in enumerate(model) if isinstance(layer, nn.ReLU))
+    assert sum(by_time(model, sample, 2, repeats=1, microbatches=2)) == len(model)
+    assert sum(by_size(model, sample, 2)) == len(model)
+    assert sum(Pipe(make(), balance="auto", devices=["cpu"] * 2, chunks=2, sample=sample).balance) == len(model)
+    assert torch.equal(sample, kept)
+
+
+def test_auto_balance_with_an_in_place_layer_trains_like_the_model() -> None:
+    from fastpipe import Pipe
+
+    torch.manual_seed(0)
+    model = _in_place_inside()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = Pipe(model, balance="auto", devices=["cpu"] * 2, chunks=2, sample=x)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    ref_loss = nn.MSELoss()(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
