@@ -4,7 +4,7 @@ The map of the package (each module imports only those above it):
 
 * :mod:`fastpipe.balance.bottleneck`: :func:`~fastpipe.balance.bottleneck.min_bottleneck`, the exact DP
   for the least largest stage cost (the planner's starting point, and ``by_size``'s answer).
-* :mod:`fastpipe.balance.plan`: the planner, pure (no threads, no processes). :func:`plan` searches
+* :mod:`fastpipe.balance.planner`: the planner, pure (no threads, no processes). :func:`plan` searches
   contiguous partitions by branch and bound and scores each one by simulating the chosen schedule
   (:func:`fastpipe.schedule.simulate`); :func:`predict` simulates one given partition.
 * :mod:`fastpipe.balance.profile`: :func:`profile_layers` runs each layer once per repeat on one
@@ -14,13 +14,12 @@ The map of the package (each module imports only those above it):
   :func:`plan`) and :func:`by_size` (profile, then the least largest stage memory).
 * :mod:`fastpipe.balance.auto`: :func:`auto_balance`, the balance behind ``Pipe(..., balance="auto")``.
 
-Everything public is importable from ``fastpipe.balance`` itself. The attribute ``fastpipe.balance.plan``
-is the function :func:`plan`, which the re-export puts over the module's name; reach the module with
-``from fastpipe.balance.plan import ...`` or ``importlib.import_module("fastpipe.balance.plan")``.
+Everything public is importable from ``fastpipe.balance`` itself. The planner's module is named
+``planner`` so that no re-exported function shadows a module of the package.
 """
 
 from fastpipe.balance.auto import auto_balance
-from fastpipe.balance.plan import BalanceError, plan, predict
+from fastpipe.balance.planner import BalanceError, plan, predict
 from fastpipe.balance.profile import LayerProfile, profile_layers
 from fastpipe.balance.torchgpipe import by_size, by_time
 

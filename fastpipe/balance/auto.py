@@ -1,7 +1,7 @@
 """``Pipe(..., balance="auto")``: profile one micro-batch where the stages will run, then plan.
 
 :func:`auto_balance` ties the profiler (:mod:`fastpipe.balance.profile`) to the planner
-(:mod:`fastpipe.balance.plan`): it counts the stages from ``devices``, keeps tied layers in one block,
+(:mod:`fastpipe.balance.planner`): it counts the stages from ``devices``, keeps tied layers in one block,
 turns activation bytes into per-layer memory for the schedule's in-flight micro-batches, and maps the
 planned blocks back to layers.
 """
@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fastpipe.balance.plan import BalanceError, plan
+from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import LayerProfile, profile_layers
 from fastpipe.partition import resolve_devices, tied_blocks
 from fastpipe.schedule import ScheduleError, build, simulate

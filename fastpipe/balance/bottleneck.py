@@ -1,6 +1,6 @@
 """The least-bottleneck partition: the contiguous split whose largest stage cost is least.
 
-:func:`min_bottleneck` is the classic exact DP, O(stages x layers^2). :func:`~fastpipe.balance.plan.plan`
+:func:`min_bottleneck` is the classic exact DP, O(stages x layers^2). :func:`~fastpipe.balance.planner.plan`
 starts its search from it, and :func:`~fastpipe.balance.torchgpipe.by_size` uses it on per-layer memory.
 """
 

@@ -1,7 +1,7 @@
 """The layer profiler: forward and backward time and memory of each layer of an ``nn.Sequential``.
 
 :func:`profile_layers` runs each layer ``repeats`` times on one micro-batch, on the caller's device or on
-a chosen one, and returns a :class:`LayerProfile` that the planner (:mod:`fastpipe.balance.plan`) takes
+a chosen one, and returns a :class:`LayerProfile` that the planner (:mod:`fastpipe.balance.planner`) takes
 as per-layer costs.
 """
 

@@ -2,7 +2,7 @@
 
 :func:`by_time` and :func:`by_size` play the part of ``torchgpipe.balance.balance_by_time`` and
 ``balance_by_size``: profile the layers of an ``nn.Sequential`` on one sample, then split them into
-``partitions`` stages. ``by_time`` splits by :func:`~fastpipe.balance.plan.plan` (the simulated step
+``partitions`` stages. ``by_time`` splits by :func:`~fastpipe.balance.planner.plan` (the simulated step
 time of a schedule), ``by_size`` by the least largest stage memory.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastpipe.balance.bottleneck import min_bottleneck
-from fastpipe.balance.plan import BalanceError, plan
+from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import profile_layers
 
 __all__ = ["by_size", "by_time"]
