@@ -174,7 +174,7 @@ class DistributedPipe(nn.Module):
             part = _stage_modules[s].to(self.device)
             for name, layer in layers_of(part):
                 self.add_module(name, layer)
-            stages[s] = Stage(part, self.device, clone_input=s > 0 and first_layer_in_place(part))
+            stages[s] = Stage(part, self.device, clone_input=first_layer_in_place(part))
         self._stages = stages
         self._runtime = DistributedRuntime(stages, len(balance), group=group, dp_group=dp, timeout=timeout,
                                            bucket_bytes=bucket_bytes)

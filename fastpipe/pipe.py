@@ -184,7 +184,7 @@ class Pipe(nn.Module):
         for stage, device in zip(stage_modules, device_list):
             stage.to(device)
         self._stages = [
-            Stage(m, d, clone_input=i > 0 and first_layer_in_place(m))
+            Stage(m, d, clone_input=first_layer_in_place(m))
             for i, (m, d) in enumerate(zip(stage_modules, device_list))
         ]
         self._runtime = LocalRuntime(self._stages, recorder=None)
