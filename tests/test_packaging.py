@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import fastpipe
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
@@ -181,3 +183,86 @@ def test_an_installed_layout_is_left_to_the_ordinary_import_system(tmp_path: Pat
     found = _last_json(_run(["-S", "-c", code], cwd=tmp_path, env=_bare_env(site)).stdout)
     assert all(Path(f).is_relative_to(site / "fastpipe") for f in found["files"]), found["files"]
     assert "SourceTreeFinder" not in found["finders"]
+
+
+def _setup_arguments() -> dict:
+    """The keywords setup.py passes to ``setuptools.setup`` (run in a subprocess, which builds nothing)."""
+    code = textwrap.dedent("""
+        import json, runpy, setuptools
+        seen = {}
+        setuptools.setup = lambda **kwargs: seen.update(kwargs)
+        runpy.run_path("setup.py", run_name="__main__")
+        print(json.dumps({k: v for k, v in seen.items() if k not in ("ext_modules", "cmdclass")}))
+    """)
+    return _last_json(_run(["-c", code], cwd=REPO, env=_env()).stdout)
+
+
+def test_setup_ships_every_subpackage_py_typed_and_the_metadata() -> None:
+    args = _setup_arguments()
+    def packages_under(folder: str, prefix: str = "") -> set[str]:
+        return {prefix + ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / folder).rglob("__init__.py")}
+
+    on_disk = packages_under("fastpipe") | packages_under("kernels", prefix="fastpipe.")
+    assert set(args["packages"]) == on_disk  # found, not listed: a new subpackage ships without an edit
+    assert args["package_dir"] == {"fastpipe.kernels": "kernels"}
+    assert "py.typed" in args["package_data"]["fastpipe"] and (REPO / "fastpipe" / "py.typed").is_file()
+    assert args["license"] == "MIT" and args["author"]
+    assert args["long_description"] == (REPO / "README.md").read_text(encoding="utf-8")
+    assert args["long_description_content_type"] == "text/markdown"
+    assert "Typing :: Typed" in args["classifiers"]
+
+
+def test_triton_is_an_extra_that_the_test_extra_brings() -> None:
+    args = _setup_arguments()
+    extras = args["extras_require"]
+    assert not [r for r in args["install_requires"] if r.startswith("triton")]
+    assert any(r.startswith("triton") for r in extras["triton"])
+    assert set(extras["triton"]) <= set(extras["test"])
+    # `fastpipe train` (its corpus) and the distributed wire format need numpy without triton.
+    assert "numpy" in args["install_requires"]
+
+
+def test_the_kernels_pytorch_path_runs_without_triton() -> None:
+    code = BLOCK_TRITON + textwrap.dedent("""
+        import torch
+        import torch.nn.functional as F
+        from fastpipe import kernels
+
+        assert not kernels.HAS_TRITON and "triton" not in sys.modules
+        x = torch.randn(6, 16, requires_grad=True)
+        bias = torch.randn(16, requires_grad=True)
+        torch.testing.assert_close(kernels.bias_gelu(x, bias), F.gelu(x + bias))
+        out, residual = kernels.add_dropout_layer_norm(x, None, torch.ones(16), torch.zeros(16), p=0.1)
+        block = kernels.MLPBlock(16, 32, dropout=0.1)
+        (block(out) + kernels.swiglu(x, x) + kernels.dropout(x, 0.2)).sum().backward()
+        assert x.grad is not None and all(p.grad is not None for p in block.parameters())
+        print("ok")
+    """)
+    assert _run(["-c", code], cwd=REPO, env=_env(TRITON_INTERPRET="1")).stdout.split()[-1] == "ok"
+
+
+def test_py_typed_gives_mypy_the_types_of_an_installed_fastpipe(tmp_path: Path) -> None:
+    pytest.importorskip("mypy")
+    # An installed layout made of links into this tree (fastpipe/, with kernels/ as fastpipe/kernels).
+    site = tmp_path / "site" / "fastpipe"
+    site.mkdir(parents=True)
+    for entry in (REPO / "fastpipe").iterdir():
+        (site / entry.name).symlink_to(entry)
+    (site / "kernels").symlink_to(REPO / "kernels")
+    (tmp_path / "use.py").write_text(textwrap.dedent("""
+        import fastpipe
+        import fastpipe.kernels
+        reveal_type(fastpipe.Pipe)
+        reveal_type(fastpipe.kernels.LayerNorm)
+    """))
+    # torch's own hints are not what this checks; skipping them keeps the run to seconds.
+    (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-torch.*]\nfollow_imports = skip\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", os.devnull,
+         "--python-executable", sys.executable, "use.py"],
+        cwd=tmp_path, env=_env(PYTHONPATH=str(tmp_path / "site")), capture_output=True, text=True, timeout=120,
+    )
+    revealed = [line for line in proc.stdout.splitlines() if "Revealed type" in line]
+    assert len(revealed) == 2, proc.stdout + proc.stderr
+    assert "fastpipe.pipe.Pipe" in revealed[0] and "LayerNorm" in revealed[1], revealed
+    assert "missing library stubs or py.typed" not in proc.stdout
