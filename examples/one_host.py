@@ -22,9 +22,12 @@ from fastpipe import Pipe
 def build_model() -> nn.Sequential:
     """Six layers: an MLP regressor from 32 features to 1."""
     return nn.Sequential(
-        nn.Linear(32, 64), nn.GELU(),
-        nn.Linear(64, 64), nn.GELU(),
-        nn.Linear(64, 1), nn.Flatten(0),
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 1),
+        nn.Flatten(0),
     )
 
 

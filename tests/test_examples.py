@@ -49,8 +49,8 @@ def test_one_host_trains_like_the_plain_model(tmp_path: Path) -> None:
 
 
 def test_torchrun_pipeline_trains_over_two_processes(tmp_path: Path) -> None:
-    out = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-                str(EXAMPLES / "torchrun_pipeline.py")], cwd=tmp_path)
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    out = _run([*torchrun, str(EXAMPLES / "torchrun_pipeline.py")], cwd=tmp_path)
     losses = _losses(out)
     assert len(losses) == 5  # printed by rank 0 only
     assert losses[-1] < losses[0]

@@ -24,8 +24,10 @@ import fastpipe
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
 
 # A demo small enough for a test: two steps of a tiny model, no progress bar.
-DEMO_ARGS = ["--steps", "2", "--warmup", "1", "--eval-batches", "1", "--sample-chars", "8", "--max-chars", "20000",
-             "--batch", "4", "--seq-len", "32", "--dim", "32", "--heads", "2", "--no-progress"]
+DEMO_ARGS = (
+    "--steps 2 --warmup 1 --eval-batches 1 --sample-chars 8 --max-chars 20000 --batch 4 --seq-len 32 --dim 32 "
+    "--heads 2 --no-progress"
+).split()
 
 # Makes triton unimportable, as on a host where it is not installed; put before any import.
 BLOCK_TRITON = textwrap.dedent("""
@@ -201,6 +203,7 @@ def _setup_arguments() -> dict:
 
 def test_setup_ships_every_subpackage_py_typed_and_the_metadata() -> None:
     args = _setup_arguments()
+
     def packages_under(folder: str, prefix: str = "") -> set[str]:
         return {prefix + ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / folder).rglob("__init__.py")}
 
@@ -232,18 +235,19 @@ def test_py_typed_gives_mypy_the_types_of_an_installed_fastpipe(tmp_path: Path) 
     for entry in (REPO / "fastpipe").iterdir():
         (site / entry.name).symlink_to(entry)
     (site / "kernels").symlink_to(REPO / "kernels")
-    (tmp_path / "use.py").write_text(textwrap.dedent("""
-        import fastpipe
-        import fastpipe.kernels
-        reveal_type(fastpipe.Pipe)
-        reveal_type(fastpipe.kernels.LayerNorm)
-    """))
+    use = [
+        "import fastpipe",
+        "import fastpipe.kernels",
+        "reveal_type(fastpipe.Pipe)",
+        "reveal_type(fastpipe.kernels.LayerNorm)",
+    ]
+    (tmp_path / "use.py").write_text("\n".join(use) + "\n")
     # torch's own hints are not what this checks; skipping them keeps the run to seconds.
     (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-torch.*]\nfollow_imports = skip\n")
+    mypy = ["-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", os.devnull, "--python-executable", sys.executable]
+    env = _env(PYTHONPATH=str(tmp_path / "site"))
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", os.devnull,
-         "--python-executable", sys.executable, "use.py"],
-        cwd=tmp_path, env=_env(PYTHONPATH=str(tmp_path / "site")), capture_output=True, text=True, timeout=120,
+        [sys.executable, *mypy, "use.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     revealed = [line for line in proc.stdout.splitlines() if "Revealed type" in line]
     assert len(revealed) == 2, proc.stdout + proc.stderr
