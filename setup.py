@@ -7,9 +7,10 @@ and CUDA hosts.
 """
 
 from glob import glob
+from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # Compile the few translation units in parallel (env NPY_NUM_BUILD_JOBS overrides).
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
@@ -27,24 +28,53 @@ ext_modules = [
     ),
 ]
 
+# The top-level kernels/ folder is installed as fastpipe.kernels; every other package is found
+# under fastpipe/, so a new subpackage ships without an edit here.
+packages = find_packages(include=["fastpipe", "fastpipe.*"])
+packages += ["fastpipe.kernels"] + [f"fastpipe.kernels.{name}" for name in find_packages("kernels")]
+
+# triton is an extra, not a dependency: it is about 1 GB, and a CPU-only host runs the PyTorch path
+# of fastpipe.kernels instead. GPU hosts have it anyway (CUDA builds of torch on Linux depend on it).
+# Triton ships Linux wheels only.
+triton = ["triton; platform_system == 'Linux'"]
+
 setup(
     name="fastpipe",
     version="0.1.0",
     description="Pipeline-parallel training for PyTorch: GPipe done right",
-    packages=["fastpipe", "fastpipe.runtime", "fastpipe.schedule", "fastpipe.asynchronous", "fastpipe.kernels",
-              "fastpipe.train", "fastpipe.bench", "fastpipe.balance"],
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    author="the fastpipe authors",
+    license="MIT",
+    license_files=["LICENSE"],
+    keywords=["pytorch", "pipeline parallelism", "gpipe", "1f1b", "zero bubble", "distributed training", "triton"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+        "Typing :: Typed",
+    ],
+    packages=packages,
     package_dir={"fastpipe.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
-    package_data={"fastpipe": ["_C.pyi"]},
+    # py.typed (PEP 561): mypy and IDEs read fastpipe's own type hints, also in fastpipe.kernels.
+    package_data={"fastpipe": ["_C.pyi", "py.typed"]},
     entry_points={"console_scripts": ["fastpipe=fastpipe.cli:main"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",
         "tqdm",
-        # Triton ships Linux wheels only; elsewhere fastpipe.kernels uses its PyTorch path.
-        "triton; platform_system == 'Linux'",
-        # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) needs numpy.
+        # `fastpipe train` encodes its corpus with numpy, the distributed wire format reads headers
+        # through Tensor.numpy(), and the Triton interpreter (TRITON_INTERPRET=1) needs it too.
         "numpy",
         # `fastpipe train` and `fastpipe bench` write PNG charts (loss curve, timeline, results),
         # and the README's first command is `pip install . && fastpipe train`.
@@ -52,7 +82,16 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "matplotlib", "hypothesis"],
+        # The compiled kernels for CUDA tensors, and the interpreter that runs them on a CPU.
+        "triton": triton,
+        # The kernel tests also run under TRITON_INTERPRET=1 (see the README), hence triton.
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "matplotlib",
+            "hypothesis",
+            *triton,
+        ],
         # scikit-learn: bench/xpipe_convergence.py trains on the digits data set it ships.
         "bench": ["matplotlib", "torchgpipe", "scikit-learn"],
     },

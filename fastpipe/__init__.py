@@ -5,13 +5,23 @@ stages and pipelines micro-batches through them (GPipe), with the same outputs a
 gradients as the plain model.
 """
 
+# ruff: noqa: E402 - the source-tree finder must be in place before the package's own imports.
+
+from pathlib import Path
+
+from fastpipe import _source_tree
+
+__version__ = "0.1.0"
+
+# Run from a clone's source tree, fastpipe.kernels (the top-level kernels/ folder) and an unbuilt
+# fastpipe._C need a finder of their own; an installed package has both and is left alone.
+_source_tree.install(Path(__file__).parent, __version__)
+
 from fastpipe.batchnorm import DeferredBatchNorm
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.serialization import load, save
-
-__version__ = "0.1.0"
 
 __all__ = ["Pipe", "DistributedPipe", "PipelineError", "DeferredBatchNorm", "CHECKPOINT_MODES", "save", "load",
            "__version__"]
