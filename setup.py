@@ -6,6 +6,7 @@ loaded at run time. That keeps ``pip install .`` fast and lets one build serve C
 and CUDA hosts.
 """
 
+import re
 from glob import glob
 from pathlib import Path
 
@@ -38,9 +39,14 @@ packages += ["fastpipe.kernels"] + [f"fastpipe.kernels.{name}" for name in find_
 # Triton ships Linux wheels only.
 triton = ["triton; platform_system == 'Linux'"]
 
+# The version is written once, in fastpipe/_version.py; read as text (importing fastpipe needs torch).
+_version_file = Path(__file__).with_name("fastpipe") / "_version.py"
+version = re.search(r'^__version__ = "([^"]+)"$', _version_file.read_text(encoding="utf-8"), re.M)
+assert version is not None, f"no __version__ line in {_version_file}"
+
 setup(
     name="fastpipe",
-    version="0.1.0",
+    version=version.group(1),
     description="Pipeline-parallel training for PyTorch: GPipe done right",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

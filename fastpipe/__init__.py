@@ -10,8 +10,7 @@ gradients as the plain model.
 from pathlib import Path
 
 from fastpipe import _source_tree
-
-__version__ = "0.1.0"
+from fastpipe._version import __version__
 
 # Run from a clone's source tree, fastpipe.kernels (the top-level kernels/ folder) and an unbuilt
 # fastpipe._C need a finder of their own; an installed package has both and is left alone.

@@ -1,12 +1,5 @@
-"""The installed fastpipe's version, read from its package metadata (setup.py holds the one number)."""
-
-from __future__ import annotations
-
-from importlib.metadata import PackageNotFoundError, version
+"""fastpipe's version: the one place it is written (setup.py reads it from this file)."""
 
 __all__ = ["__version__"]
 
-try:
-    __version__: str = version("fastpipe")
-except PackageNotFoundError:  # a source tree on sys.path that was never installed has no metadata
-    __version__ = "0+unknown"
+__version__ = "0.1.0"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import fastpipe
 from fastpipe.cli import build_parser, main
 
 # A console script's sys.path[0] is its own folder, never the current directory: drop '' (which
@@ -31,7 +32,8 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.strip() == f"fastpipe {importlib.metadata.version('fastpipe')}"
+    shown = capsys.readouterr().out.strip()
+    assert shown == f"fastpipe {fastpipe.__version__}" == f"fastpipe {importlib.metadata.version('fastpipe')}"
 
 
 @pytest.mark.parametrize("command, shown", [

@@ -134,7 +134,7 @@ def _copy_tree(dest: Path, version: str) -> Path:
     for folder in ("fastpipe", "kernels"):
         shutil.copytree(REPO / folder, dest / folder, ignore=ignore)
     shutil.copy(REPO / "setup.py", dest / "setup.py")
-    init = dest / "fastpipe" / "__init__.py"
+    init = dest / "fastpipe" / "_version.py"
     text = init.read_text()
     assert f'__version__ = "{fastpipe.__version__}"' in text
     init.write_text(text.replace(f'__version__ = "{fastpipe.__version__}"', f'__version__ = "{version}"'))
@@ -156,13 +156,15 @@ def test_a_clone_without_the_extension_says_how_to_build_it_or_uses_an_installed
     (info / "RECORD").write_text(f"fastpipe/{Path(built).name},,\n")
     code = textwrap.dedent(f"""
         import json, sys
-        import fastpipe
-        try:
-            import fastpipe._C
+        error = None
+        try:  # the engine imports its extension with the package
+            import fastpipe
         except ImportError as e:
             error = str(e)
+        for name in [n for n in sys.modules if n == "fastpipe" or n.startswith("fastpipe.")]:
+            del sys.modules[name]
         sys.path.append({str(site)!r})  # now pip-install it
-        import fastpipe._C
+        import fastpipe, fastpipe._C
         print(json.dumps({{"fastpipe": fastpipe.__file__, "error": error, "extension": fastpipe._C.__file__}}))
     """)
     found = _last_json(_run(["-S", "-c", code], cwd=clone, env=_bare_env()).stdout)
