@@ -237,11 +237,10 @@ def _model_with_slow_stage_0() -> nn.Sequential:
 def _through_pipe(rank: int, world: int) -> tuple[str, float, list[tuple[str, float]], str]:
     import torch.distributed as dist
 
-    from fastpipe import DistributedPipe, Pipe
+    from fastpipe import DistributedPipe
 
-    pipe = Pipe(_model_with_slow_stage_0(), balance=[2, 2], chunks=2, schedule="1f1b",
-                process_group=dist.group.WORLD)
-    assert isinstance(pipe, DistributedPipe)
+    pipe = DistributedPipe(_model_with_slow_stage_0(), balance=[2, 2], chunks=2, schedule="1f1b",
+                           process_group=dist.group.WORLD)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
     loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), trace=True)
@@ -253,7 +252,7 @@ def _through_pipe(rank: int, world: int) -> tuple[str, float, list[tuple[str, fl
     return type(pipe).__name__, float(loss), waits, transport_of(pipe)
 
 
-def test_pipe_with_process_group_is_distributed_and_traces_its_waits(transport: str) -> None:
+def test_distributed_pipe_traces_its_waits(transport: str) -> None:
     outcomes = run_ranks(_through_pipe, 2)
     model = _model_with_slow_stage_0()
     g = torch.Generator().manual_seed(1)
