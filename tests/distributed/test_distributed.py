@@ -11,6 +11,9 @@ from _dist_utils import check_ok, run_ranks
 from fp_tolerance import close_reordered
 from torch import nn
 
+# The helper scripts sit in tests/, one folder up.
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
 HIDDEN = 16
 # Reductions from input to loss through make_model's 8 blocks, plus the rows a weight gradient
@@ -333,7 +336,7 @@ def test_torchrun_runs_the_readme_example(tmp_path, transport: str) -> None:
     import sys
 
     out = tmp_path / "losses.json"
-    script = os.path.join(os.path.dirname(__file__), "_torchrun_train.py")
+    script = os.path.join(TESTS_DIR, "_torchrun_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            script, str(out)], env=env, capture_output=True, text=True, timeout=120)
@@ -356,7 +359,7 @@ def test_torchrun_with_two_nodes_on_one_host(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "losses.json"
-    script = os.path.join(os.path.dirname(__file__), "_torchrun_train.py")
+    script = os.path.join(TESTS_DIR, "_torchrun_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     env.pop("FASTPIPE_P2P", None)
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),

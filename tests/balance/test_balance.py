@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fastpipe import cli
 from fastpipe.balance import BalanceError, by_size, by_time, plan, predict, profile_layers
 
 
@@ -133,20 +132,6 @@ def test_by_time_and_by_size_return_valid_balances() -> None:
     assert by_size(model, sample, 5) == [1, 1, 1, 1, 1]
 
 
-def test_cli_plan_prints_balance_table_and_predictions(capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli.main(["plan", "--costs", "1,2,3,4", "--partitions", "2", "--microbatches", "8",
-                       "--schedule", "1f1b"])
-    out = capsys.readouterr().out
-    assert status == 0
-    assert "balance: [3, 1]" in out
-    assert "worker 1" in out and "1BW7" in out
-    assert "predicted bubble" in out and "peak activations" in out
-    status = cli.main(["plan", "--costs", "1,1", "--partitions", "2", "--microbatches", "2",
-                       "--memory", "5,5", "--memory-limit", "1"])
-    assert status == 2
-    assert "memory_limit" in capsys.readouterr().err
-
-
 def test_auto_balance_for_pipe() -> None:
     from fastpipe.balance import auto_balance
 
@@ -159,30 +144,6 @@ def test_auto_balance_for_pipe() -> None:
     assert sum(balance) == 5 and len(balance) == 4
     with pytest.raises(BalanceError, match="no partition"):
         auto_balance(model, ["cpu", "cpu"], sample, chunks=4, memory_limit=10.0, repeats=1)
-
-
-def test_cli_plan_profiles_a_model_and_prints_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli.main(["plan", "--model", "_cli_model:build", "--sample-shape", "32,16", "--partitions", "2",
-                       "--microbatches", "4", "--schedule", "1f1b"])
-    out = capsys.readouterr().out
-    assert status == 0
-    assert "balance: [" in out and "peak memory" in out and "MiB" in out and "predicted bubble" in out
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--model", "_cli_model:build"], "needs --sample-shape"),
-        (["--model", "_cli_model:not_sequential", "--sample-shape", "8,2"], "not an nn.Sequential"),
-        (["--model", "_cli_model:missing", "--sample-shape", "8,2"], "has no attribute"),
-        (["--model", "no_colon", "--sample-shape", "8,2"], "module:callable"),
-    ],
-)
-def test_cli_plan_model_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli.main(["plan", *argv, "--partitions", "2", "--microbatches", "2"])
-    assert status == 2
-    assert message in capsys.readouterr().err
-
 
 
 def _in_place_inside() -> nn.Sequential:

@@ -69,7 +69,7 @@ def test_autocast_on_gpu():
     assert out.dtype == torch.bfloat16
 
 
-# -- the device-thread backward (runtime.inline) and the CUDA traps of issue 10 ----------
+# -- the device-thread backward (runtime.inline) and what CUDA stages must get right -----
 
 
 def grads_of(module):

@@ -1,4 +1,4 @@
-"""Streams of mini-batches are schedules too: U actions print, parse, validate, simulate and draw."""
+"""Multi-step schedules are schedules too: U actions print, parse, validate, simulate and draw."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""200 training steps leave no growing number of live tensors or threads."""
+"""200 training steps leave no growing number of live tensors or threads, and a collected Pipe stops its threads."""
 
 import gc
 import threading
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
+from fastpipe.runtime.worker import live_worker_threads
 
 
 def live_tensors():
@@ -78,3 +79,18 @@ def test_backward_hands_gradients_to_autograd_without_a_copy():
     pipe.runtime.backward = spy
     pipe(torch.randn(8, 32)).sum().backward()
     assert [p.grad.data_ptr() for p in pipe.parameters()] == made
+
+
+def test_threads_stop_when_pipe_is_collected():
+    gc.collect()
+    before = live_worker_threads()
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), balance=[1, 1], chunks=2)
+    pipe(torch.randn(4, 4)).sum().backward()
+    assert live_worker_threads() == before + 2
+    del pipe
+    gc.collect()
+    for _ in range(100):
+        if live_worker_threads() == before:
+            break
+        threading.Event().wait(0.01)
+    assert live_worker_threads() == before

@@ -408,7 +408,7 @@ def test_gpu_pipe_equals_plain_model_with_task_seeds(kind):
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_gpu_pipe_forward_backward_replays_attention_dropout():
-    # Pipe.forward + loss.backward() with CUDA stages (the autograd path of issue 10).
+    # Pipe.forward + loss.backward() with CUDA stages: the backward runs on autograd's device thread.
     x = torch.randn(6, 4, DIM, device="cuda")
 
     def once(checkpoint):
