@@ -43,6 +43,11 @@ from ._common import (
     triton,
     use_triton,
 )
+from ._gemm import OUT_DTYPE_MM as _OUT_DTYPE_MM  # noqa: F401 - bench/kernel_tune.py reports it
+from ._gemm import addmm_fp32 as _addmm_fp32
+from ._gemm import chunk_size as _chunk_size
+from ._gemm import compute_dtype as _compute_dtype
+from ._gemm import mm_into as _mm_into
 from .configs import launch_config
 
 __all__ = ["linear_cross_entropy"]
@@ -159,59 +164,6 @@ def _softmax_grad(
     rows = torch.nonzero(hit)[:, 0]
     g[rows, local[rows]] -= 1.0
     logits.copy_(g.mul_(torch.where(valid, scale, 0.0)[:, None]))
-
-
-def _chunk_size(tokens: int, vocab: int, hidden: int, chunk_size: int | None, ratio: float = 1.0) -> int:
-    """Tokens per chunk. Default: Liger-Kernel's rule (a logits chunk about the size of ``x``,
-    times ``ratio``), at least 64 tokens so that the chunk GEMMs still fill the tensor cores;
-    never more than ``tokens``."""
-    if chunk_size is not None:
-        return max(1, int(chunk_size))
-    rule = next_pow2(_cdiv(tokens, _cdiv(vocab, hidden)))
-    return max(1, min(tokens, max(64, int(rule * ratio))))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-_OUT_DTYPE_MM: dict[str, bool] = {}
-
-
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in a 16-bit dtype, at the 16-bit rate.
-
-    Uses ``addmm(out_dtype=fp32)`` (fp32 accumulation and epilogue in one GEMM) where the build
-    has it for this device; else a 16-bit product (rounded once) added in fp32.
-    """
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    key = acc.device.type
-    if _OUT_DTYPE_MM.get(key, True):
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _OUT_DTYPE_MM[key] = True
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            _OUT_DTYPE_MM[key] = False
-    acc.add_(a @ b)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    """``out = a @ b (+ bias)``, written straight into ``out`` when the dtypes agree."""
-    if out.dtype == a.dtype:
-        if bias is None:
-            torch.mm(a, b, out=out)
-        else:
-            torch.addmm(bias, a, b, out=out)
-    else:
-        out.copy_(a @ b if bias is None else torch.addmm(bias, a, b))
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _run(
