@@ -46,8 +46,9 @@ from fastpipe.runtime.host_alloc import tune_host_allocator  # noqa: E402
 K = 2
 
 
-def _fastpipe_worker(rank: int, schedule: str, warmup: int, steps: int, port: int, out: str,
-                     paired: bool = True) -> None:
+def _fastpipe_worker(
+    rank: int, schedule: str, warmup: int, steps: int, port: int, out: str, paired: bool = True
+) -> None:
     from fastpipe.distributed_pipe import DistributedPipe
 
     torch.set_num_threads(1)
@@ -101,8 +102,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over all methods (alternating)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-pipelining", action="store_true")
-    parser.add_argument("--ordered", action="store_true",
-                        help="also run fastpipe 1F1B over the order-matched transport NCCL uses (on gloo)")
+    parser.add_argument(
+        "--ordered",
+        action="store_true",
+        help="also run fastpipe 1F1B over the order-matched transport NCCL uses (on gloo)",
+    )
     args = parser.parse_args()
 
     # T_mb runs under the same allocator settings as fastpipe's ranks (see
@@ -136,16 +140,25 @@ def main() -> None:
     limit = t_mb * scale
     med = {name: statistics.median(ts) for name, ts in times.items()}
     paired_med = {name: statistics.median(rs) for name, rs in paired.items()}
-    print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {CHUNKS} micro-batches, {K} gloo ranks x "
-          f"1 thread; median of {args.repeats} x {args.rounds} steps; load average {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f}")
+    print(
+        f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {CHUNKS} micro-batches, {K} gloo ranks x "
+        f"1 thread; median of {args.repeats} x {args.rounds} steps; load average {load_before[0]:.2f} -> "
+        f"{load_after[0]:.2f}"
+    )
     print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
     print(f"{'method':40s} {'ms':>8s} {'x limit':>8s} {'paired':>8s}")
     for name, t in med.items():
         print(f"{name:40s} {t * 1e3:8.0f} {t / limit:8.2f} {paired_med[name]:8.2f}")
-    result = {"limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "repeats": args.repeats, "median_s": med,
-              "ratio_to_limit": {n: t / limit for n, t in med.items()}, "paired_ratio_to_limit": paired_med,
-              "load_average": {"before": load_before, "after": load_after}}
+    result = {
+        "limit_s": limit,
+        "t_mb_s": t_mb,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "median_s": med,
+        "ratio_to_limit": {n: t / limit for n, t in med.items()},
+        "paired_ratio_to_limit": paired_med,
+        "load_average": {"before": load_before, "after": load_after},
+    }
     print(json.dumps(result))
     write_json(result, args.json)
 

@@ -50,8 +50,8 @@ from fastpipe.bench.workload import BATCH, CHUNKS, make_batch, make_model  # noq
 
 # Kept importable under their former names (other scripts and notes refer to them).
 _pippy_worker = pippy_worker
-__all__ = ["LOSS", "accumulation_step", "pipe_step", "pippy_times", "plain_step", "timed_rounds", "train_step",
-           "main"]
+__all__ = ["LOSS", "accumulation_step", "pipe_step", "pippy_times", "plain_step", "timed_rounds", "train_step", "main"]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,11 +121,15 @@ def main() -> None:
     # Paired: each round's step over the limit from that round's own T_mb, so slow drift of
     # the machine between rounds cancels (the separately timed pipelining runs have none).
     scale = (m + k - 1) / (m * k)
-    paired = {name: statistics.median(t / (tm * scale) for t, tm in zip(ts, times["T_mb (accumulate 8 mb)"]))
-              for name, ts in times.items() if len(ts) == len(times["T_mb (accumulate 8 mb)"])
-              and not name.startswith("pipelining")}
-    print(f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {m} micro-batches, {k} stages; "
-          f"median of {args.rounds}")
+    paired = {
+        name: statistics.median(t / (tm * scale) for t, tm in zip(ts, times["T_mb (accumulate 8 mb)"]))
+        for name, ts in times.items()
+        if len(ts) == len(times["T_mb (accumulate 8 mb)"]) and not name.startswith("pipelining")
+    }
+    print(
+        f"\nworkload: 8 residual MLP blocks 512/2048, batch {BATCH}, {m} micro-batches, {k} stages; "
+        f"median of {args.rounds}"
+    )
     print(f"limit T_mb/K x (M+K-1)/M = {limit * 1e3:.0f} ms  (T_mb = {t_mb * 1e3:.0f} ms)\n")
     print(f"{'method':34s} {'ms':>8s} {'x limit':>8s} {'paired':>8s}")
     for name, t, r in rows:
@@ -133,12 +137,19 @@ def main() -> None:
         print(f"{name:34s} {t * 1e3:8.0f} {r:8.2f} {pr}")
     one_stage = med["fastpipe [8] never"] / t_mb
     unfused = med["fastpipe [8] never, unfused"] / t_mb
-    print(f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}; "
-          f"without fused weight-gradient accumulation: {unfused:.3f}")
+    print(
+        f"\nengine overhead at one stage (fastpipe [8] / T_mb): {one_stage:.3f}; "
+        f"without fused weight-gradient accumulation: {unfused:.3f}"
+    )
     result = {
-        "limit_s": limit, "t_mb_s": t_mb, "rounds": args.rounds, "median_s": med,
-        "ratio_to_limit": {n: r for n, _, r in rows}, "paired_ratio_to_limit": paired,
-        "one_stage_overhead": one_stage, "one_stage_overhead_unfused": unfused,
+        "limit_s": limit,
+        "t_mb_s": t_mb,
+        "rounds": args.rounds,
+        "median_s": med,
+        "ratio_to_limit": {n: r for n, _, r in rows},
+        "paired_ratio_to_limit": paired,
+        "one_stage_overhead": one_stage,
+        "one_stage_overhead_unfused": unfused,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

@@ -70,8 +70,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, gpu_of: list[int], sc
             if not cpu:
                 torch.cuda.synchronize()
             worst = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
-            checks[name] = {"loss_err": abs(loss.item() - expected.item()), "grad_err": worst,
-                            "transport": transport, "s": round(time.perf_counter() - start, 3)}
+            checks[name] = {
+                "loss_err": abs(loss.item() - expected.item()),
+                "grad_err": worst,
+                "transport": transport,
+                "s": round(time.perf_counter() - start, 3),
+            }
             pipe.close()
         result = {"ok": checks}
         dist.destroy_process_group()
@@ -85,8 +89,10 @@ def run_case(world: int, gpu_of: list[int], schedules: list, limit: float, cpu: 
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, out, gpu_of, schedules, cpu), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, store.port, out, gpu_of, schedules, cpu), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + limit
@@ -109,15 +115,21 @@ def run_case(world: int, gpu_of: list[int], schedules: list, limit: float, cpu: 
     loss = max(c["loss_err"] for res in results for c in res["ok"].values())
     transports = sorted({c["transport"] for res in results for c in res["ok"].values()})
     ok = worst < 1e-4 and loss < 1e-4
-    return {"status": "ok" if ok else "WRONG", "grad_err": worst, "loss_err": loss, "transports": transports,
-            "schedules": [n for n, _ in schedules]}
+    return {
+        "status": "ok" if ok else "WRONG",
+        "grad_err": worst,
+        "loss_err": loss,
+        "transports": transports,
+        "schedules": [n for n, _ in schedules],
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=float, default=90.0, help="seconds per case before it counts as a hang")
-    parser.add_argument("--cpu", action="store_true",
-                        help="dry run on CPU: gloo with the order-matched transport, 2 and 4 ranks")
+    parser.add_argument(
+        "--cpu", action="store_true", help="dry run on CPU: gloo with the order-matched transport, 2 and 4 ranks"
+    )
     args = parser.parse_args()
     if args.cpu:
         cases = {f"{w} ranks, gloo (dry run)": run_case(w, [0] * w, SCHEDULES, args.limit, cpu=True) for w in (2, 4)}

@@ -87,9 +87,16 @@ def main() -> None:
     half = blocks * 3 // 2
     x = torch.randn(batch, dim, device=device, dtype=dtype)
     plain = build(blocks, dim, hidden, dtype, device)
-    pipes = {mode: Pipe(build(blocks, dim, hidden, dtype, device), balance=[half, blocks * 3 - half],
-                        devices=[device, device], chunks=args.chunks, checkpoint=mode)
-             for mode in ("never", "except_last", "always")}
+    pipes = {
+        mode: Pipe(
+            build(blocks, dim, hidden, dtype, device),
+            balance=[half, blocks * 3 - half],
+            devices=[device, device],
+            chunks=args.chunks,
+            checkpoint=mode,
+        )
+        for mode in ("never", "except_last", "always")
+    }
     micro = x.chunk(args.chunks)
 
     def plain_accumulate() -> None:
@@ -105,8 +112,12 @@ def main() -> None:
     def train_step() -> None:
         pipes["never"].train_step(x, torch.zeros_like(x), lambda out, _: loss_of(out), schedule="1f1b")
 
-    runs = {"plain_accumulate": plain_accumulate, "pipe_never": pipe_step("never"),
-            "pipe_except_last": pipe_step("except_last"), "train_step_1f1b": train_step}
+    runs = {
+        "plain_accumulate": plain_accumulate,
+        "pipe_never": pipe_step("never"),
+        "pipe_except_last": pipe_step("except_last"),
+        "train_step_1f1b": train_step,
+    }
     first = {name: timed(fn, device) for name, fn in runs.items()}  # includes CUDA/cuBLAS start-up
     for fn in runs.values():
         fn()
@@ -123,15 +134,22 @@ def main() -> None:
     full = memory["plain_full_batch"]
     result = {
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-        "model": {"blocks": blocks, "dim": dim, "hidden": hidden, "batch": batch, "chunks": args.chunks,
-                  "dtype": str(dtype)},
+        "model": {
+            "blocks": blocks,
+            "dim": dim,
+            "hidden": hidden,
+            "batch": batch,
+            "chunks": args.chunks,
+            "dtype": str(dtype),
+        },
         "rounds": args.rounds,
         "median_s": median,
         "ratio_to_plain_accumulate": {name: t / base for name, t in median.items()},
         "first_step_s": first,
         "peak_mib": {k: None if v is None else round(v / 2**20, 1) for k, v in memory.items()},
-        "peak_ratio_to_full_batch": {k: None if v is None or not full else round(v / full, 3)
-                                     for k, v in memory.items()},
+        "peak_ratio_to_full_batch": {
+            k: None if v is None or not full else round(v / full, 3) for k, v in memory.items()
+        },
     }
     line = json.dumps(result)
     if args.json:

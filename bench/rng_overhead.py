@@ -70,6 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)
     x = torch.randn(BATCH, WIDTH)
     half = LAYERS // 2
+
     def always() -> contextlib.AbstractContextManager[object]:
         return mock.patch.object(step_core, "may_draw", lambda *a, **k: True)
 
@@ -91,8 +92,10 @@ def main() -> None:
             if r > 0:  # round 0 warms up
                 times[name].append(elapsed)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    print(f"{LAYERS} layers of Linear({WIDTH},{WIDTH})/ReLU, batch {BATCH}, chunks {CHUNKS}, 2 CPU stages; "
-          f"median ms per forward+backward step over {args.rounds} rounds")
+    print(
+        f"{LAYERS} layers of Linear({WIDTH},{WIDTH})/ReLU, batch {BATCH}, chunks {CHUNKS}, 2 CPU stages; "
+        f"median ms per forward+backward step over {args.rounds} rounds"
+    )
     for name, ms in med.items():
         print(f"  {name:8s} {ms:8.2f} ms   {ms / med['scoped']:.2f}x scoped")
     if args.json:

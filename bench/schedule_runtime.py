@@ -99,15 +99,27 @@ def measured_part(rounds: int) -> dict:
     for name, v in SCHEDULES:
         if name == "interleaved":
             costs = profiles[name]
-            sim = simulate(build(name, stages=k, microbatches=m, virtual_stages=v), forward=costs["F"],
-                           backward=costs["BW"], weight=0.0)
+            sim = simulate(
+                build(name, stages=k, microbatches=m, virtual_stages=v),
+                forward=costs["F"],
+                backward=costs["BW"],
+                weight=0.0,
+            )
         else:
-            sim = simulate(build(name, stages=k, microbatches=m), forward=f2, backward=split["B"], weight=split["W"],
-                           combined=bw2)
+            sim = simulate(
+                build(name, stages=k, microbatches=m), forward=f2, backward=split["B"], weight=split["W"], combined=bw2
+            )
         measured = statistics.median(times[name])
-        rows.append({"schedule": name, "measured_s": measured, "simulated_s": sim.makespan,
-                     "measured_over_simulated": measured / sim.makespan, "measured_over_limit": measured / limit,
-                     "simulated_bubble": sim.bubble_fraction})
+        rows.append(
+            {
+                "schedule": name,
+                "measured_s": measured,
+                "simulated_s": sim.makespan,
+                "measured_over_simulated": measured / sim.makespan,
+                "measured_over_limit": measured / limit,
+                "simulated_bubble": sim.bubble_fraction,
+            }
+        )
     return {"t_mb_s": t_mb, "limit_s": limit, "rounds": rounds, "rows": rows, "profile": profiles}
 
 
@@ -127,13 +139,31 @@ def predicted_part(bandwidth_gbs: float, microbatches: int = 32, rows_per_mb: in
             per_stage_f = [f_block * n for n in balance]
             per_stage_b = [b_block * n for n in balance]
             if name == "zb-h1":  # B and W each about half of a Linear-dominated backward
-                sim = simulate(build(name, stages=k, microbatches=microbatches), forward=per_stage_f,
-                               backward=[b / 2 for b in per_stage_b], weight=[b / 2 for b in per_stage_b], comm=comm)
+                sim = simulate(
+                    build(name, stages=k, microbatches=microbatches),
+                    forward=per_stage_f,
+                    backward=[b / 2 for b in per_stage_b],
+                    weight=[b / 2 for b in per_stage_b],
+                    comm=comm,
+                )
             else:
-                sim = simulate(build(name, stages=k, microbatches=microbatches), forward=per_stage_f,
-                               backward=per_stage_b, weight=0.0, comm=comm)
-            out.append({"K": k, "M": microbatches, "schedule": name, "balance": balance,
-                        "speedup": single / sim.makespan, "bubble": sim.bubble_fraction})
+                sim = simulate(
+                    build(name, stages=k, microbatches=microbatches),
+                    forward=per_stage_f,
+                    backward=per_stage_b,
+                    weight=0.0,
+                    comm=comm,
+                )
+            out.append(
+                {
+                    "K": k,
+                    "M": microbatches,
+                    "schedule": name,
+                    "balance": balance,
+                    "speedup": single / sim.makespan,
+                    "bubble": sim.bubble_fraction,
+                }
+            )
     return out
 
 
@@ -146,12 +176,16 @@ def main() -> None:
     args = parser.parse_args()
 
     meas = measured_part(args.rounds)
-    print(f"\nmeasured on CPU, 2 workers x 1 thread, 8 micro-batches, median of {args.rounds}; "
-          f"T_mb = {meas['t_mb_s'] * 1e3:.0f} ms, limit = {meas['limit_s'] * 1e3:.0f} ms")
+    print(
+        f"\nmeasured on CPU, 2 workers x 1 thread, 8 micro-batches, median of {args.rounds}; "
+        f"T_mb = {meas['t_mb_s'] * 1e3:.0f} ms, limit = {meas['limit_s'] * 1e3:.0f} ms"
+    )
     print(f"{'schedule':12s} {'measured ms':>12s} {'simulated ms':>13s} {'meas/sim':>9s} {'meas/limit':>11s}")
     for r in meas["rows"]:
-        print(f"{r['schedule']:12s} {r['measured_s'] * 1e3:12.0f} {r['simulated_s'] * 1e3:13.0f} "
-              f"{r['measured_over_simulated']:9.3f} {r['measured_over_limit']:11.3f}")
+        print(
+            f"{r['schedule']:12s} {r['measured_s'] * 1e3:12.0f} {r['simulated_s'] * 1e3:13.0f} "
+            f"{r['measured_over_simulated']:9.3f} {r['measured_over_limit']:11.3f}"
+        )
     pred = predicted_part(args.bandwidth_gbs)
     print(f"\npredicted speed-up over one device, M=32, link {args.bandwidth_gbs} GB/s, costs profiled on CPU")
     print(f"{'K':>2s} {'schedule':10s} {'speed-up':>9s} {'bubble':>7s}")

@@ -47,8 +47,9 @@ def _rank(rank: int, rounds: int, port: int, out: str) -> None:
         pipes = {}
         for transport in ("tags", "ordered"):
             os.environ["FASTPIPE_P2P"] = transport
-            pipes[transport] = DistributedPipe(make_model(), [4, 4], chunks=CHUNKS, schedule=schedule,
-                                               checkpoint="never")
+            pipes[transport] = DistributedPipe(
+                make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never"
+            )
         times: dict[str, list[float]] = {t: [] for t in pipes}
         for i in range(rounds + 2):
             for transport, pipe in pipes.items():
@@ -62,9 +63,11 @@ def _rank(rank: int, rounds: int, port: int, out: str) -> None:
         for pipe in pipes.values():
             pipe.close()
         ratios = [o / t for o, t in zip(times["ordered"], times["tags"])]
-        result[schedule] = {"tags_s": statistics.median(times["tags"]),
-                            "ordered_s": statistics.median(times["ordered"]),
-                            "paired_ratio": statistics.median(ratios)}
+        result[schedule] = {
+            "tags_s": statistics.median(times["tags"]),
+            "ordered_s": statistics.median(times["ordered"]),
+            "paired_ratio": statistics.median(ratios),
+        }
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

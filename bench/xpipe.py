@@ -54,8 +54,17 @@ def simulated(window: int) -> list[dict[str, Any]]:
             sync = steady_state_time(k, m, flush=True)
             stream = steady_state_time(k, m, flush=False)
             per_window = window * m + k - 1  # a window of N mini-batches pays one fill and drain
-            rows.append({"K": k, "M": m, "sync_1f1b": sync, "async": stream, "gain": sync / stream,
-                         "limit": (m + k - 1) / m, f"gain_window_{window}": window * (m + k - 1) / per_window})
+            rows.append(
+                {
+                    "K": k,
+                    "M": m,
+                    "sync_1f1b": sync,
+                    "async": stream,
+                    "gain": sync / stream,
+                    "limit": (m + k - 1) / m,
+                    f"gain_window_{window}": window * (m + k - 1) / per_window,
+                }
+            )
     return rows
 
 
@@ -63,8 +72,10 @@ def _print_simulated(rows: list[dict[str, Any]], window: int) -> None:
     print(f"simulated steady state, time per mini-batch (F=1, B=2): window = {window}")
     print(f"{'K':>2} {'M':>2} {'sync 1F1B':>10} {'async':>7} {'gain':>6} {'(M+K-1)/M':>10} {'with drain':>11}")
     for r in rows:
-        print(f"{r['K']:>2} {r['M']:>2} {r['sync_1f1b']:>10.1f} {r['async']:>7.1f} {r['gain']:>6.3f} "
-              f"{r['limit']:>10.3f} {r[f'gain_window_{window}']:>11.3f}")
+        print(
+            f"{r['K']:>2} {r['M']:>2} {r['sync_1f1b']:>10.1f} {r['async']:>7.1f} {r['gain']:>6.3f} "
+            f"{r['limit']:>10.3f} {r[f'gain_window_{window}']:>11.3f}"
+        )
 
 
 class _Sleep(torch.autograd.Function):
@@ -95,8 +106,7 @@ def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int, wor
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
     width = HIDDEN if workload == "mlp" else 4
-    data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
-            for _ in range(window)]
+    data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(window)]
     if workload == "sleep":
         blocks = 2
 
@@ -141,14 +151,25 @@ def measured(rounds: int, window: int, blocks: int, batch: int, chunks: int, wor
     result = {}
     for name, ts in times.items():
         ratio = statistics.median(b / t for b, t in zip(base, ts))
-        result[name] = {"median_s_per_minibatch": statistics.median(ts), "speedup_vs_sync_1f1b": ratio,
-                        "per_round_s": ts}
+        result[name] = {
+            "median_s_per_minibatch": statistics.median(ts),
+            "speedup_vs_sync_1f1b": ratio,
+            "per_round_s": ts,
+        }
     for pipe in pipes.values():
         pipe.close()
-    return {"workload": workload, "K": 2, "M": chunks, "window": window, "blocks": blocks, "batch": batch,
-            "rounds": rounds,
-            "limit": (chunks + 1) / chunks, "limit_with_drain": window * (chunks + 1) / (window * chunks + 1),
-            "methods": result}
+    return {
+        "workload": workload,
+        "K": 2,
+        "M": chunks,
+        "window": window,
+        "blocks": blocks,
+        "batch": batch,
+        "rounds": rounds,
+        "limit": (chunks + 1) / chunks,
+        "limit_with_drain": window * (chunks + 1) / (window * chunks + 1),
+        "methods": result,
+    }
 
 
 def prediction_cost(blocks: int, repeats: int = 20) -> dict[str, float]:
@@ -201,16 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_measure:
         m = measured(args.rounds, args.window, args.blocks, args.batch, args.chunks, args.workload)
         out["measured"] = m
-        print(f"\nmeasured ({m['workload']}), K=2 CPU stages, M={m['M']}, window={m['window']}, {m['rounds']} rounds "
-              f"(limit {m['limit']:.3f}x, {m['limit_with_drain']:.3f}x with one drain per window)")
+        print(
+            f"\nmeasured ({m['workload']}), K=2 CPU stages, M={m['M']}, window={m['window']}, {m['rounds']} rounds "
+            f"(limit {m['limit']:.3f}x, {m['limit_with_drain']:.3f}x with one drain per window)"
+        )
         for name, r in m["methods"].items():
-            print(f"  {name:<32} {r['median_s_per_minibatch'] * 1e3:8.1f} ms/mini-batch   "
-                  f"{r['speedup_vs_sync_1f1b']:.3f}x vs sync 1F1B (paired)")
+            print(
+                f"  {name:<32} {r['median_s_per_minibatch'] * 1e3:8.1f} ms/mini-batch   "
+                f"{r['speedup_vs_sync_1f1b']:.3f}x vs sync 1F1B (paired)"
+            )
     cost = prediction_cost(args.blocks)
     out["prediction_cost"] = cost
-    print(f"\none prediction of stage 0 ({cost['stage_mib']:.1f} MiB, Adam): "
-          f"{cost['direction_then_subtract_ms']:.1f} ms as direction then subtraction, "
-          f"{cost['predict_weights_ms']:.1f} ms with predict_weights (median of 20)")
+    print(
+        f"\none prediction of stage 0 ({cost['stage_mib']:.1f} MiB, Adam): "
+        f"{cost['direction_then_subtract_ms']:.1f} ms as direction then subtraction, "
+        f"{cost['predict_weights_ms']:.1f} ms with predict_weights (median of 20)"
+    )
     write_json(out, args.json)
 
 

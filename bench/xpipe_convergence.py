@@ -47,8 +47,9 @@ def load_digits(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     try:
         from sklearn.datasets import load_digits as sk_load
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise SystemExit("this benchmark needs scikit-learn: pip install scikit-learn (or pip install -e .[bench])") \
-            from exc
+        raise SystemExit(
+            "this benchmark needs scikit-learn: pip install scikit-learn (or pip install -e .[bench])"
+        ) from exc
     digits = sk_load()
     x = torch.tensor(digits.data, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.long)
@@ -77,7 +78,7 @@ def batches(x: Tensor, y: Tensor, batch: int, count: int, seed: int) -> list[tup
     while len(out) < count:
         perm = torch.randperm(len(x), generator=g)
         for i in range(0, len(x) - batch + 1, batch):
-            idx = perm[i:i + batch]
+            idx = perm[i : i + batch]
             out.append((x[idx], y[idx]))
     return out[:count]
 
@@ -90,8 +91,15 @@ def evaluate(pipe: Pipe, x: Tensor, y: Tensor) -> tuple[float, float]:
     return nn.functional.cross_entropy(out, y).item(), (out.argmax(1) == y).float().mean().item() * 100
 
 
-def train(policy: str, optimizer: str, lr: float, data: list[tuple[Tensor, Tensor]], val: tuple[Tensor, Tensor],
-          args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def train(
+    policy: str,
+    optimizer: str,
+    lr: float,
+    data: list[tuple[Tensor, Tensor]],
+    val: tuple[Tensor, Tensor],
+    args: argparse.Namespace,
+    seed: int,
+) -> dict[str, Any]:
     pipe = Pipe(make_model(seed, args.hidden), balance=[1, 1, 1, 1], chunks=args.chunks, checkpoint="never")
     opt = OPTIMIZERS[optimizer](pipe.parameters(), lr)
     # Cosine decay to 0 over the run: the final validation figures are then not one noisy draw at a high lr.
@@ -116,10 +124,14 @@ def average(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean curves over seeds; final figures are the means of each seed's last evaluation."""
     keys = runs[0]["curve"]
     curve = {k: [sum(r["curve"][k][i] for r in runs) / len(runs) for i in range(len(keys[k]))] for k in keys}
-    return {"curve": curve, "final_val_loss": curve["val_loss"][-1], "final_val_acc": curve["val_acc"][-1],
-            "final_val_loss_per_seed": [r["curve"]["val_loss"][-1] for r in runs],
-            "final_val_acc_per_seed": [r["curve"]["val_acc"][-1] for r in runs],
-            "weight_copy_bytes": runs[0]["weight_copy_bytes"]}
+    return {
+        "curve": curve,
+        "final_val_loss": curve["val_loss"][-1],
+        "final_val_acc": curve["val_acc"][-1],
+        "final_val_loss_per_seed": [r["curve"]["val_loss"][-1] for r in runs],
+        "final_val_acc_per_seed": [r["curve"]["val_acc"][-1] for r in runs],
+        "weight_copy_bytes": runs[0]["weight_copy_bytes"],
+    }
 
 
 def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
@@ -170,16 +182,27 @@ def main(argv: list[str] | None = None) -> None:
     streams = [batches(xt, yt, args.batch, args.minibatches, seed) for seed, (xt, yt, _, _) in enumerate(splits)]
     results: dict[str, dict[str, Any]] = {}
     for opt_name, lr in (("adam", args.adam_lr), ("sgd-momentum", args.sgd_lr)):
-        per_policy = {p: average([train(p, opt_name, lr, streams[seed], (splits[seed][2], splits[seed][3]), args,
-                                        seed) for seed in range(args.seeds)]) for p in POLICIES}
+        per_policy = {
+            p: average(
+                [
+                    train(p, opt_name, lr, streams[seed], (splits[seed][2], splits[seed][3]), args, seed)
+                    for seed in range(args.seeds)
+                ]
+            )
+            for p in POLICIES
+        }
         results[opt_name] = {"lr": lr, "policies": per_policy}
         sync = per_policy["sync"]
-        print(f"\n{opt_name} lr={lr}, K=4, M={args.chunks}, batch {args.batch}, {args.minibatches} mini-batches, "
-              f"mean of {args.seeds} seeds")
+        print(
+            f"\n{opt_name} lr={lr}, K=4, M={args.chunks}, batch {args.batch}, {args.minibatches} mini-batches, "
+            f"mean of {args.seeds} seeds"
+        )
         print(f"  {'policy':<8} {'val loss':>9} {'vs sync':>8} {'val acc':>8} {'vs sync':>8}")
         for p, r in per_policy.items():
-            print(f"  {p:<8} {r['final_val_loss']:>9.4f} {r['final_val_loss'] / sync['final_val_loss'] - 1:>+8.1%} "
-                  f"{r['final_val_acc']:>7.2f}% {r['final_val_acc'] - sync['final_val_acc']:>+7.2f}")
+            print(
+                f"  {p:<8} {r['final_val_loss']:>9.4f} {r['final_val_loss'] / sync['final_val_loss'] - 1:>+8.1%} "
+                f"{r['final_val_acc']:>7.2f}% {r['final_val_acc'] - sync['final_val_acc']:>+7.2f}"
+            )
     if args.png:
         plot(results, args.png, f"digits, K=4 stages, M={args.chunks}, batch {args.batch}, mean of {args.seeds} seeds")
     write_json({"args": vars(args), "results": results}, args.json)

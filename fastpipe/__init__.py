@@ -22,5 +22,13 @@ from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.serialization import load, save
 
-__all__ = ["Pipe", "DistributedPipe", "PipelineError", "DeferredBatchNorm", "CHECKPOINT_MODES", "save", "load",
-           "__version__"]
+__all__ = [
+    "Pipe",
+    "DistributedPipe",
+    "PipelineError",
+    "DeferredBatchNorm",
+    "CHECKPOINT_MODES",
+    "save",
+    "load",
+    "__version__",
+]

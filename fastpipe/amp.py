@@ -72,8 +72,10 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
         )
     missing = needed - _ranks(scaler.process_group)
     if missing:
-        raise ValueError(f"fastpipe: the scaler's process_group lacks ranks {sorted(missing)} of this pipeline "
-                         "(and its data-parallel replicas); skipped steps would not agree across them")
+        raise ValueError(
+            f"fastpipe: the scaler's process_group lacks ranks {sorted(missing)} of this pipeline "
+            "(and its data-parallel replicas); skipped steps would not agree across them"
+        )
     # Every rank must scale alike, or the losses of one step would mix scales; a check costs one
     # small all-reduce per group, bounded like every other wait.
     both = torch.tensor([scale, -scale], dtype=torch.float64, device=runtime.comm_device)
@@ -82,6 +84,8 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
         runtime.wait_collective(work, "the loss scale check")
     high, low = float(both[0]), -float(both[1])
     if high != low:
-        raise ValueError(f"fastpipe: the ranks' GradScalers scale the loss by different factors ({low:g} to "
-                         f"{high:g}); create them alike on every rank and step/update them on every rank")
+        raise ValueError(
+            f"fastpipe: the ranks' GradScalers scale the loss by different factors ({low:g} to "
+            f"{high:g}); create them alike on every rank and step/update them on every rank"
+        )
     return scale

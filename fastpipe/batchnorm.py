@@ -77,8 +77,16 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     are kept per slot (see :func:`accumulating_into`) and are not part of the state dict.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, device: Any = None, dtype: Any = None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self._pending: dict[Hashable, _Stats] = {}  # per slot, what its next commit folds in
 
@@ -144,8 +152,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.num_batches_tracked.add_(1)
         # A cumulative average (momentum None) weighs by 1 / batches seen, kept on the
         # device: float(num_batches_tracked) would wait for the GPU every step.
-        momentum: Tensor | float = (self.momentum if self.momentum is not None
-                                    else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype))
+        momentum: Tensor | float = (
+            self.momentum
+            if self.momentum is not None
+            else self.num_batches_tracked.reciprocal().to(self.running_mean.dtype)
+        )
         self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype) * momentum)
         self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype) * momentum)
 

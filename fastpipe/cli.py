@@ -28,8 +28,10 @@ from fastpipe.schedule import SCHEDULES, ScheduleError, build
 
 __all__ = ["build_parser", "main"]
 
-_PLAN_USAGE = ("fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) "
-               "--partitions K --microbatches M [options]")
+_PLAN_USAGE = (
+    "fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) "
+    "--partitions K --microbatches M [options]"
+)
 _PLAN_EXAMPLE = "fastpipe plan --costs 1,2,3,4 --partitions 2 --microbatches 8"
 
 
@@ -112,8 +114,12 @@ def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[f
         raise ValueError(f"--sample-dtype {args.sample_dtype!r} is not a torch dtype")
     sample = torch.randint(0, args.vocab, shape) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
     prof = profile_layers(model, sample)
-    return (list(prof.forward), list(prof.backward), [float(a) for a in prof.activation_bytes],
-            [float(b) for b in prof.parameter_bytes])
+    return (
+        list(prof.forward),
+        list(prof.backward),
+        [float(a) for a in prof.activation_bytes],
+        [float(b) for b in prof.parameter_bytes],
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,20 +130,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fastpipe {__version__}")
     # Not required=True: without a command, main prints this help instead of argparse's one-line error.
     sub = parser.add_subparsers(dest="command", metavar="{plan,train,bench}")
-    p = sub.add_parser("plan", help="balance per-layer costs over stages and predict the schedule",
-                       description="Balance layers over pipeline stages (the balance: layers per stage) and "
-                                   f"predict the schedule's step. Example: {_PLAN_EXAMPLE}",
-                       usage=_PLAN_USAGE, formatter_class=_HelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="balance per-layer costs over stages and predict the schedule",
+        description="Balance layers over pipeline stages (the balance: layers per stage) and "
+        f"predict the schedule's step. Example: {_PLAN_EXAMPLE}",
+        usage=_PLAN_USAGE,
+        formatter_class=_HelpFormatter,
+    )
     # The costs, --partitions and --microbatches are checked in _plan, which says what each one is.
     source = p.add_mutually_exclusive_group()
     source.add_argument("--costs", type=_floats, help="forward cost per layer, e.g. '1,2,3,4' (this or --model)")
-    source.add_argument("--model", help="'module:callable' returning an nn.Sequential, profiled on --sample-shape; "
-                                        "the module may sit in the current directory (this or --costs)")
+    source.add_argument(
+        "--model",
+        help="'module:callable' returning an nn.Sequential, profiled on --sample-shape; "
+        "the module may sit in the current directory (this or --costs)",
+    )
     p.add_argument("--sample-shape", type=_ints, default=None, help="mini-batch shape for --model, e.g. '256,512'")
     p.add_argument("--sample-dtype", default="float32", help="float32 | bfloat16 | int64 (token ids)")
     p.add_argument("--vocab", type=int, default=1000, help="upper bound of random token ids (int64 samples)")
-    p.add_argument("--state-factor", type=float, default=4.0,
-                   help="bytes kept per parameter byte: parameter, gradient, optimizer state (4 for Adam)")
+    p.add_argument(
+        "--state-factor",
+        type=float,
+        default=4.0,
+        help="bytes kept per parameter byte: parameter, gradient, optimizer state (4 for Adam)",
+    )
     p.add_argument("--bwd-costs", type=_floats, default=None, help="backward cost per layer (default 2x forward)")
     p.add_argument("--partitions", type=int, help="pipeline workers K the layers are balanced over (required)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step M (required)")
@@ -146,15 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
     p.add_argument("--memory-limit", type=float, default=None, help="most bytes one stage may hold")
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
-    t = sub.add_parser("train", help="train a character-level GPT on the standard library's sources through Pipe",
-                       description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.",
-                       formatter_class=_HelpFormatter)
+    t = sub.add_parser(
+        "train",
+        help="train a character-level GPT on the standard library's sources through Pipe",
+        description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.",
+        formatter_class=_HelpFormatter,
+    )
     from fastpipe.train import add_arguments as add_train_arguments
 
     add_train_arguments(t)
-    b = sub.add_parser("bench", help="the benchmark suite: JSON, PNG charts and a markdown table",
-                       description="The benchmark suite: writes bench.json, PNG charts and results.md to --out.",
-                       formatter_class=_HelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="the benchmark suite: JSON, PNG charts and a markdown table",
+        description="The benchmark suite: writes bench.json, PNG charts and results.md to --out.",
+        formatter_class=_HelpFormatter,
+    )
     from fastpipe.bench.suite import add_arguments as add_bench_arguments
 
     add_bench_arguments(b)
@@ -186,39 +209,64 @@ def _plan(args: argparse.Namespace) -> int:
     schedule = build(args.schedule, args.partitions, args.microbatches, virtual_stages=args.virtual_stages)
     memory = args.memory
     if memory is None and acts is not None and params is not None:
-        in_flight = max(predict([1] * schedule.num_stages, [1.0] * schedule.num_stages, [1.0] * schedule.num_stages,
-                                microbatches=args.microbatches, schedule=args.schedule,
-                                virtual_stages=args.virtual_stages).peak_activations)
+        in_flight = max(
+            predict(
+                [1] * schedule.num_stages,
+                [1.0] * schedule.num_stages,
+                [1.0] * schedule.num_stages,
+                microbatches=args.microbatches,
+                schedule=args.schedule,
+                virtual_stages=args.virtual_stages,
+            ).peak_activations
+        )
         memory = [a * in_flight + args.state_factor * p for a, p in zip(acts, params)]
-    balance = plan(fwd, bwd, args.partitions, microbatches=args.microbatches, schedule=args.schedule,
-                   memory=memory, memory_limit=args.memory_limit, comm=args.comm,
-                   virtual_stages=args.virtual_stages)
-    timeline = predict(balance, fwd, bwd, microbatches=args.microbatches, schedule=args.schedule,
-                       comm=args.comm, virtual_stages=args.virtual_stages)
+    balance = plan(
+        fwd,
+        bwd,
+        args.partitions,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        memory=memory,
+        memory_limit=args.memory_limit,
+        comm=args.comm,
+        virtual_stages=args.virtual_stages,
+    )
+    timeline = predict(
+        balance,
+        fwd,
+        bwd,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        comm=args.comm,
+        virtual_stages=args.virtual_stages,
+    )
     peaks = timeline.peak_activations
     unit = "s" if args.model is not None else ""
     print(f"balance: {balance}")
     start = 0
     for stage, size in enumerate(balance):
-        line = (f"  stage {stage} (worker {schedule.worker_of(stage)}): layers {start}..{start + size - 1}, "
-                f"fwd {sum(fwd[start:start + size]):.4g}{unit}, bwd {sum(bwd[start:start + size]):.4g}{unit}")
+        line = (
+            f"  stage {stage} (worker {schedule.worker_of(stage)}): layers {start}..{start + size - 1}, "
+            f"fwd {sum(fwd[start : start + size]):.4g}{unit}, bwd {sum(bwd[start : start + size]):.4g}{unit}"
+        )
         if acts is not None and params is not None:
             alive = peaks[schedule.worker_of(stage)]
-            peak = alive * sum(acts[start:start + size]) + args.state_factor * sum(params[start:start + size])
+            peak = alive * sum(acts[start : start + size]) + args.state_factor * sum(params[start : start + size])
             line += f", peak memory {peak / 2**20:.1f} MiB ({alive} micro-batches alive on its worker)"
         elif args.memory is not None:
-            line += f", memory {sum(args.memory[start:start + size]):.4g}"
+            line += f", memory {sum(args.memory[start : start + size]):.4g}"
         print(line)
         start += size
     print()
     print(schedule)
     print()
     busy = sum(fwd) + sum(bwd)
-    print(f"predicted step: {timeline.makespan:.4g} (sequential {busy * args.microbatches:.4g}, "
-          f"speed-up {busy * args.microbatches / timeline.makespan:.3g}x)")
+    print(
+        f"predicted step: {timeline.makespan:.4g} (sequential {busy * args.microbatches:.4g}, "
+        f"speed-up {busy * args.microbatches / timeline.makespan:.3g}x)"
+    )
     print(f"predicted bubble: {timeline.bubble_fraction:.1%}")
-    print("peak activations (micro-batches alive) per worker: "
-          + ", ".join(str(p) for p in timeline.peak_activations))
+    print("peak activations (micro-batches alive) per worker: " + ", ".join(str(p) for p in timeline.peak_activations))
     return 0
 
 

@@ -20,8 +20,22 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``fastpipe train --steps 30 --out fastpipe-demo`` plus ``argv`` (later options win)."""
     extra = list(sys.argv[1:] if argv is None else argv)
-    return cli_main(["train", "--steps", "30", "--warmup", "10", "--eval-batches", "2", "--sample-chars", "80",
-                     "--out", "fastpipe-demo", *extra])
+    return cli_main(
+        [
+            "train",
+            "--steps",
+            "30",
+            "--warmup",
+            "10",
+            "--eval-batches",
+            "2",
+            "--sample-chars",
+            "80",
+            "--out",
+            "fastpipe-demo",
+            *extra,
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,6 @@ __all__ = ["DistributedPipe"]
 StageBuilder = Callable[[int], nn.Module]
 
 
-
-
 def _check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout: float) -> None:
     """Every rank of ``group`` must build the same pipeline: a rank with other settings would
     expect other messages and fail only at the deadline, far from the cause."""
@@ -75,8 +73,10 @@ def _check_same_settings(settings: dict[str, Any], group: Any, what: str, timeou
         values = [s[key] for s in everyone]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(f"fastpipe: the {what} ranks disagree on {key} ({per_rank}); build the "
-                             "DistributedPipe with the same arguments on every rank")
+            raise ValueError(
+                f"fastpipe: the {what} ranks disagree on {key} ({per_rank}); build the "
+                "DistributedPipe with the same arguments on every rank"
+            )
 
 
 def _groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
@@ -119,17 +119,31 @@ class DistributedPipe(nn.Module):
         bucket_bytes: size of one data-parallel gradient all-reduce bucket.
     """
 
-    def __init__(self, module: nn.Sequential | None, balance: Sequence[int] | None = None, *, chunks: int = 1,
-                 schedule: str = "1f1b", checkpoint: Checkpoint = "except_last", process_group: Any = None,
-                 mesh: Any = None, dp_group: Any = None, device: torch.device | str | None = None,
-                 deferred_batch_norm: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                 on_nan: Literal["raise", "skip"] = "raise", free_others: bool = True,
-                 bucket_bytes: int = 25 << 20,
-                 _stage_modules: dict[int, nn.Sequential] | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Sequential | None,
+        balance: Sequence[int] | None = None,
+        *,
+        chunks: int = 1,
+        schedule: str = "1f1b",
+        checkpoint: Checkpoint = "except_last",
+        process_group: Any = None,
+        mesh: Any = None,
+        dp_group: Any = None,
+        device: torch.device | str | None = None,
+        deferred_batch_norm: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        on_nan: Literal["raise", "skip"] = "raise",
+        free_others: bool = True,
+        bucket_bytes: int = 25 << 20,
+        _stage_modules: dict[int, nn.Sequential] | None = None,
+    ) -> None:
         super().__init__()
         if balance is None:
-            raise TypeError("fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage "
-                            "per pipeline rank, or a multiple of the ranks with schedule='interleaved')")
+            raise TypeError(
+                "fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage "
+                "per pipeline rank, or a multiple of the ranks with schedule='interleaved')"
+            )
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
@@ -176,10 +190,17 @@ class DistributedPipe(nn.Module):
                 self.add_module(name, layer)
             stages[s] = Stage(part, self.device, clone_input=first_layer_in_place(part))
         self._stages = stages
-        self._runtime = DistributedRuntime(stages, len(balance), group=group, dp_group=dp, timeout=timeout,
-                                           bucket_bytes=bucket_bytes)
-        settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
-                    "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan}
+        self._runtime = DistributedRuntime(
+            stages, len(balance), group=group, dp_group=dp, timeout=timeout, bucket_bytes=bucket_bytes
+        )
+        settings = {
+            "balance": balance,
+            "chunks": chunks,
+            "schedule": schedule,
+            "checkpoint": checkpoint,
+            "deferred_batch_norm": deferred_batch_norm,
+            "on_nan": on_nan,
+        }
         _check_same_settings(settings, self._runtime.control_group, "pipeline", timeout)
         if dp is not None:
             _check_same_settings(settings, dp, "data-parallel", timeout)
@@ -253,8 +274,15 @@ class DistributedPipe(nn.Module):
             "exists on the last rank alone; train with train_step(x, y, loss_fn) on every rank"
         )
 
-    def train_step(self, input: Value | None, target: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-                   scaler: torch.amp.GradScaler | None = None, trace: bool = False) -> Tensor:
+    def train_step(
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        trace: bool = False,
+    ) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.
 
         ``input`` is read on stage 0's rank and ``target`` on the last stage's (both may be
@@ -294,8 +322,7 @@ class DistributedPipe(nn.Module):
                 loss_reduction(loss_fn, "train_step")
             except BaseException as exc:
                 stage = len(self.balance) - 1
-                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised "
-                                      f"{type(exc).__name__}: {exc}")
+                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised {type(exc).__name__}: {exc}")
                 raise
         # Every rank weighs alike; only the last one, which runs the loss, refuses a bad reduction.
         weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
@@ -304,8 +331,14 @@ class DistributedPipe(nn.Module):
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
-        outcome = runtime.train(sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]),
-                                checkpoint=checkpoint, caller=CallerState.capture(), step_seed=step_seed)
+        outcome = runtime.train(
+            sched,
+            microbatches,
+            LossSpec(loss_fn, targets, [w * scale for w in weights]),
+            checkpoint=checkpoint,
+            caller=CallerState.capture(),
+            step_seed=step_seed,
+        )
         if scaling:
             outcome.loss = outcome.loss / scale
         if self.deferred_batch_norm and self.training:
@@ -313,17 +346,28 @@ class DistributedPipe(nn.Module):
                 commit_deferred_batch_norm(st.module)
         if outcome.nonfinite is not None and not scaling:
             if self.on_nan == "raise":
-                raise PipelineError(f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
-                                    f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "
-                                    "steps)")
+                raise PipelineError(
+                    f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
+                    f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "
+                    "steps)"
+                )
             return outcome.loss
         for s, st in self._stages.items():
             accumulate_grads(st.params, outcome.param_grads[s])
         return outcome.loss
 
-    def fit(self, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
-            optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
-            max_grad_norm: float | None = None, window: int = 8, trace: bool = False) -> Any:
+    def fit(
+        self,
+        batches: Iterable[tuple[Value | None, Any]],
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        consistency: str = "predict",
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        window: int = 8,
+        trace: bool = False,
+    ) -> Any:
         """:meth:`fastpipe.Pipe.fit` on every rank (its stage, or its virtual stages interleaved); see
         :mod:`fastpipe.asynchronous.distributed`.
 
@@ -332,8 +376,17 @@ class DistributedPipe(nn.Module):
         every rank yields the same losses. With data parallelism each stage's update averages
         its gradient over the replicas first.
         """
-        return DistributedFitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                                 max_grad_norm=max_grad_norm, window=window, trace=trace)
+        return DistributedFitRun(
+            self,
+            batches,
+            loss_fn,
+            optimizer,
+            consistency=consistency,
+            scheduler=scheduler,
+            max_grad_norm=max_grad_norm,
+            window=window,
+            trace=trace,
+        )
 
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""

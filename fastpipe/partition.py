@@ -12,8 +12,18 @@ from torch import nn
 from fastpipe.microbatch import Value, check_value, tensors_of
 
 __all__ = [
-    "Device", "MOVE_REFUSED", "layers_of", "tied_blocks", "check_module", "check_materialised", "check_balance",
-    "resolve_devices", "split", "first_layer_in_place", "check_input", "refuse_device_move",
+    "Device",
+    "MOVE_REFUSED",
+    "layers_of",
+    "tied_blocks",
+    "check_module",
+    "check_materialised",
+    "check_balance",
+    "resolve_devices",
+    "split",
+    "first_layer_in_place",
+    "check_input",
+    "refuse_device_move",
 ]
 
 Device = str | int | torch.device
@@ -143,8 +153,9 @@ def _device(d: object, i: int) -> torch.device:
     try:
         dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
     except RuntimeError as exc:
-        raise ValueError(f"fastpipe: devices[{i}] = {d!r} is not a device name ({exc}); "
-                         "give e.g. 'cuda:0' or 'cpu'") from None
+        raise ValueError(
+            f"fastpipe: devices[{i}] = {d!r} is not a device name ({exc}); give e.g. 'cuda:0' or 'cpu'"
+        ) from None
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return dev
@@ -159,12 +170,16 @@ def _check_cuda_devices(devices: list[torch.device], asked: list[object]) -> Non
     missing = sorted({d.index for d in wanted if d.index is None or d.index >= count})
     if not missing:
         return
-    seen = (f"torch.cuda.is_available() is {available} and torch.cuda.device_count() is {count}"
-            + ("" if torch.version.cuda else " (this torch is a CPU-only build)"))
+    seen = f"torch.cuda.is_available() is {available} and torch.cuda.device_count() is {count}" + (
+        "" if torch.version.cuda else " (this torch is a CPU-only build)"
+    )
     raise ValueError(
         f"fastpipe: devices={asked!r} asks for {', '.join(f'cuda:{i}' for i in missing)}, but {seen}. "
-        + ("Use devices=['cpu'] * len(balance) (or devices=None) on this host, or run where the GPUs are visible"
-           if count == 0 else f"Use indices 0..{count - 1} (entries may repeat) or check CUDA_VISIBLE_DEVICES")
+        + (
+            "Use devices=['cpu'] * len(balance) (or devices=None) on this host, or run where the GPUs are visible"
+            if count == 0
+            else f"Use indices 0..{count - 1} (entries may repeat) or check CUDA_VISIBLE_DEVICES"
+        )
     )
 
 
@@ -197,7 +212,7 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
                     seen = owner.setdefault(id(obj), (s, index, full))
                     if seen[0] != s:
                         raise ValueError(_tied_across_stages(kind, (s, index, full), seen, list(balance)))
-        stages.append(nn.Sequential(OrderedDict(layers[start:start + count])))
+        stages.append(nn.Sequential(OrderedDict(layers[start : start + count])))
         start += count
     return stages
 
@@ -206,10 +221,9 @@ def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, int, str],
-                        balance: list[int]) -> str:
+def _tied_across_stages(kind: str, use: tuple[int, int, str], first: tuple[int, int, str], balance: list[int]) -> str:
     (stage, index, name), (first_stage, first_index, first_name) = use, first
-    merged = balance[:first_stage] + [sum(balance[first_stage:stage + 1])] + balance[stage + 1:]
+    merged = balance[:first_stage] + [sum(balance[first_stage : stage + 1])] + balance[stage + 1 :]
     return (
         f"fastpipe: {kind} '{name}' (layer {index}, stage {stage}) is the same object as '{first_name}' "
         f"(layer {first_index}, stage {first_stage}). A {kind} used in two places is a tied weight, and a tied "
@@ -243,8 +257,10 @@ def check_input(input: Value) -> None:
     check_value(input, "input")
     for i, t in enumerate(tensors_of(input)):
         if t.is_meta:
-            raise ValueError(f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
-                             "tensor with data (any device: it is copied to the first stage's)")
+            raise ValueError(
+                f"fastpipe: input tensor {i} is on the meta device (a shape without data); pass a "
+                "tensor with data (any device: it is copied to the first stage's)"
+            )
 
 
 def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -252,9 +268,13 @@ def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     # The obvious spellings are caught before torch's parser (which raises its own error for
     # an index on a host without that accelerator); the parser then sees every other form
     # nn.Module.to accepts (device and dtype together, non_blocking, ...).
-    moves = kwargs.get("device") is not None or "tensor" in kwargs or any(
-        isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+    moves = (
+        kwargs.get("device") is not None
+        or "tensor" in kwargs
+        or any(isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+    )
     if moves or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+
         def show(v: Any) -> str:
             return f"<tensor on {v.device}>" if isinstance(v, torch.Tensor) else repr(v)
 

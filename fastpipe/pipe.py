@@ -151,13 +151,22 @@ class Pipe(nn.Module):
         if not isinstance(balance, str):
             unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
             if unused:
-                raise TypeError(f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
-                                "balance); drop them, or pass balance='auto'")
+                raise TypeError(
+                    f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
+                    "balance); drop them, or pass balance='auto'"
+                )
         if isinstance(balance, str):
             if balance != "auto":
                 raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
-            balance = auto_balance(module, devices, sample, chunks=chunks, schedule=schedule,
-                                   virtual_stages=virtual_stages, memory_limit=memory_limit)
+            balance = auto_balance(
+                module,
+                devices,
+                sample,
+                chunks=chunks,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+                memory_limit=memory_limit,
+            )
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(devices, len(balance))
         # Fail here, not at the first train_step: the schedule's name and virtual stages (any
@@ -184,8 +193,7 @@ class Pipe(nn.Module):
         for stage, device in zip(stage_modules, device_list):
             stage.to(device)
         self._stages = [
-            Stage(m, d, clone_input=first_layer_in_place(m))
-            for i, (m, d) in enumerate(zip(stage_modules, device_list))
+            Stage(m, d, clone_input=first_layer_in_place(m)) for i, (m, d) in enumerate(zip(stage_modules, device_list))
         ]
         self._runtime = LocalRuntime(self._stages, recorder=None)
         weakref.finalize(self, self._runtime.close)
@@ -244,8 +252,16 @@ class Pipe(nn.Module):
             return gather(outputs)
 
         inputs = tensors_of(input)
-        run = NodeRun(self._runtime, self._after_forward, schedule, microbatches, checkpoint, caller, step_seed,
-                      [t.device for t in inputs])
+        run = NodeRun(
+            self._runtime,
+            self._after_forward,
+            schedule,
+            microbatches,
+            checkpoint,
+            caller,
+            step_seed,
+            [t.device for t in inputs],
+        )
         flat = PipelineNode.apply(run, *inputs, *params)
         return replace_tensors(run.output_structure, flat)
 
@@ -290,17 +306,27 @@ class Pipe(nn.Module):
         sizes = [batch_size(x) for x in microbatches]
         # loss_fn runs on the last stage, so the targets go where its output is.
         last = self.devices[-1]
-        targets = [t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)])
-                   for t in split_targets(target, self.chunks, sizes)]
+        targets = [
+            t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)])
+            for t in split_targets(target, self.chunks, sizes)
+        ]
         weights = loss_weights(loss_reduction(loss_fn, "train_step"), sizes)
-        sched = _schedule(self.schedule if schedule is None else schedule, len(self._stages), len(sizes),
-                          self.virtual_stages if virtual_stages is None else virtual_stages)
+        sched = _schedule(
+            self.schedule if schedule is None else schedule,
+            len(self._stages),
+            len(sizes),
+            self.virtual_stages if virtual_stages is None else virtual_stages,
+        )
         self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(sizes))
         scale = loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
-            sched, microbatches, LossSpec(loss_fn, targets, [w * scale for w in weights]), checkpoint=checkpoint,
-            caller=CallerState.capture(), step_seed=draw_step_seed(),
+            sched,
+            microbatches,
+            LossSpec(loss_fn, targets, [w * scale for w in weights]),
+            checkpoint=checkpoint,
+            caller=CallerState.capture(),
+            step_seed=draw_step_seed(),
         )
         self._after_forward()
         for stage, stage_grads in zip(self._stages, grads):
@@ -354,8 +380,17 @@ class Pipe(nn.Module):
         they equal ``train_step``'s. Running statistics are buffers, not parameters, so the
         weight versions of ``"stash"`` and ``"predict"`` do not version them.
         """
-        return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                      max_grad_norm=max_grad_norm, window=window, trace=trace)
+        return FitRun(
+            self,
+            batches,
+            loss_fn,
+            optimizer,
+            consistency=consistency,
+            scheduler=scheduler,
+            max_grad_norm=max_grad_norm,
+            window=window,
+            trace=trace,
+        )
 
     # -- what fit and tools read --------------------------------------------------------
 

@@ -75,8 +75,15 @@ from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "draw_step_seed", "task_seed", "TaskRNG", "RANDOM_OPS", "register_random_op", "register_deterministic",
-    "may_draw", "current_generator", "current_task",
+    "draw_step_seed",
+    "task_seed",
+    "TaskRNG",
+    "RANDOM_OPS",
+    "register_random_op",
+    "register_deterministic",
+    "may_draw",
+    "current_generator",
+    "current_task",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -101,6 +108,7 @@ def task_seed(step_seed: int, stage: int, microbatch: int) -> int:
 
 # -- which calls draw -------------------------------------------------------------------
 
+
 def _vf(name: str) -> Any:
     return getattr(torch._C._VariableFunctions, name, None)
 
@@ -109,24 +117,74 @@ def _vf(name: str) -> Any:
 # gumbel-softmax, fractional pooling, nn.init) are listed as a whole: the mode does not see
 # the draws nested inside them. RNN kernels draw for their inter-layer dropout.
 RANDOM_OPS: set[Callable[..., Any]] = {
-    f for f in (
-        torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
-        torch.normal, torch.poisson, torch.binomial, torch.rand_like, torch.randn_like, torch.randint_like,
-        _vf("_standard_gamma"), _vf("_sample_dirichlet"),
-        Tensor.uniform_, Tensor.normal_, Tensor.bernoulli_, Tensor.bernoulli, Tensor.random_, Tensor.exponential_,
-        Tensor.geometric_, Tensor.log_normal_, Tensor.cauchy_, Tensor.multinomial,
-        F.dropout, F.alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout,
-        torch.dropout, torch.dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout,
-        torch.feature_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_, _vf("native_dropout"),
+    f
+    for f in (
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.randperm,
+        torch.bernoulli,
+        torch.multinomial,
+        torch.normal,
+        torch.poisson,
+        torch.binomial,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        _vf("_standard_gamma"),
+        _vf("_sample_dirichlet"),
+        Tensor.uniform_,
+        Tensor.normal_,
+        Tensor.bernoulli_,
+        Tensor.bernoulli,
+        Tensor.random_,
+        Tensor.exponential_,
+        Tensor.geometric_,
+        Tensor.log_normal_,
+        Tensor.cauchy_,
+        Tensor.multinomial,
+        F.dropout,
+        F.alpha_dropout,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.feature_alpha_dropout,
+        torch.dropout,
+        torch.dropout_,
+        torch.alpha_dropout,
+        torch.alpha_dropout_,
+        torch.feature_dropout,
+        torch.feature_dropout_,
+        torch.feature_alpha_dropout,
+        torch.feature_alpha_dropout_,
+        _vf("native_dropout"),
         _vf("_fused_dropout"),
-        F.scaled_dot_product_attention, F.multi_head_attention_forward, F.rrelu, F.rrelu_, torch.rrelu,
-        torch.rrelu_, F.gumbel_softmax, F.fractional_max_pool2d, F.fractional_max_pool3d,
-        F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices,
-        _vf("lstm"), _vf("gru"), _vf("rnn_tanh"), _vf("rnn_relu"),
-        nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
-        nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_,
+        F.scaled_dot_product_attention,
+        F.multi_head_attention_forward,
+        F.rrelu,
+        F.rrelu_,
+        torch.rrelu,
+        torch.rrelu_,
+        F.gumbel_softmax,
+        F.fractional_max_pool2d,
+        F.fractional_max_pool3d,
+        F.fractional_max_pool2d_with_indices,
+        F.fractional_max_pool3d_with_indices,
+        _vf("lstm"),
+        _vf("gru"),
+        _vf("rnn_tanh"),
+        _vf("rnn_relu"),
+        nn.init.uniform_,
+        nn.init.normal_,
+        nn.init.trunc_normal_,
+        nn.init.kaiming_uniform_,
+        nn.init.kaiming_normal_,
+        nn.init.xavier_uniform_,
+        nn.init.xavier_normal_,
+        nn.init.orthogonal_,
         nn.init.sparse_,
-    ) if f is not None
+    )
+    if f is not None
 }
 
 
@@ -142,11 +200,26 @@ def register_random_op(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Layers that draw while training. Checked by exact type: a subclass may override forward.
-_DRAW_WHEN_TRAINING: frozenset[type[nn.Module]] = frozenset({
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU,
-    nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
-    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNN, nn.LSTM, nn.GRU,
-})
+_DRAW_WHEN_TRAINING: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.Dropout,
+        nn.Dropout1d,
+        nn.Dropout2d,
+        nn.Dropout3d,
+        nn.AlphaDropout,
+        nn.FeatureAlphaDropout,
+        nn.RReLU,
+        nn.MultiheadAttention,
+        nn.Transformer,
+        nn.TransformerEncoder,
+        nn.TransformerDecoder,
+        nn.TransformerEncoderLayer,
+        nn.TransformerDecoderLayer,
+        nn.RNN,
+        nn.LSTM,
+        nn.GRU,
+    }
+)
 _ALWAYS_DRAW: frozenset[type[nn.Module]] = frozenset({nn.FractionalMaxPool2d, nn.FractionalMaxPool3d})
 _DETERMINISTIC: set[type[nn.Module]] = set()
 
@@ -238,8 +311,13 @@ _ONLY_CPU = [_CPU]
 
 def _devices_of(args: tuple, kwargs: dict) -> list[torch.device]:
     """The devices whose default generator a call may draw on: CPU, or its CUDA devices."""
-    if "device" not in kwargs and args and isinstance(args[0], Tensor) and args[0].device.type == "cpu" \
-            and not any(isinstance(a, Tensor) and a.device.type != "cpu" for a in (*args[1:], *kwargs.values())):
+    if (
+        "device" not in kwargs
+        and args
+        and isinstance(args[0], Tensor)
+        and args[0].device.type == "cpu"
+        and not any(isinstance(a, Tensor) and a.device.type != "cpu" for a in (*args[1:], *kwargs.values()))
+    ):
         return _ONLY_CPU  # the common case (dropout on a CPU tensor), without building devices
     found: set[torch.device] = set()
     dev = kwargs.get("device")
@@ -307,7 +385,8 @@ class TaskRNG(TorchFunctionMode):
                         "through fastpipe's task RNG, so its draws depend on thread timing and a recompute "
                         "will not replay them (wrong gradients under checkpointing). Register the op with "
                         "fastpipe.rng.register_random_op, or pass it generator=fastpipe.rng.current_generator().",
-                        RuntimeWarning, stacklevel=2,
+                        RuntimeWarning,
+                        stacklevel=2,
                     )
 
     @contextlib.contextmanager
@@ -368,8 +447,11 @@ class TaskRNG(TorchFunctionMode):
         device = _normal(device)
         with self.drawing([device]):
             # The explicit generator keeps this draw from being routed (again) by the mode.
-            seed = int(torch.empty((), dtype=torch.int64, device=device).random_(
-                0, 1 << 62, generator=_default_generator(device)).item())
+            seed = int(
+                torch.empty((), dtype=torch.int64, device=device)
+                .random_(0, 1 << 62, generator=_default_generator(device))
+                .item()
+            )
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         return gen

@@ -61,6 +61,7 @@ def _get_cpu(original: Callable[[], Tensor]) -> Callable[[], Tensor]:
     def get_rng_state() -> Tensor:
         task = current_task()
         return original() if task is None else task.get_state("cpu")
+
     return get_rng_state
 
 
@@ -72,6 +73,7 @@ def _set_cpu(original: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
             original(new_state)
         else:
             task.set_state(new_state, "cpu")
+
     return set_rng_state
 
 
@@ -80,6 +82,7 @@ def _get_cuda(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
     def get_rng_state(device: int | str | torch.device = "cuda") -> Tensor:
         task = current_task()
         return original(device) if task is None else task.get_state(_cuda(device))
+
     return get_rng_state
 
 
@@ -91,6 +94,7 @@ def _set_cuda(original: Callable[..., None]) -> Callable[..., None]:
             original(new_state, device)
         else:
             task.set_state(new_state, _cuda(device))
+
     return set_rng_state
 
 
@@ -102,6 +106,7 @@ def _fork(original: Callable[..., Any]) -> Callable[..., Any]:
         routed = task is None or any(m is task for m in _get_current_function_mode_stack())
         with contextlib.nullcontext() if routed else task, original(*args, **kwargs):  # type: ignore[union-attr]
             yield
+
     return fork_rng
 
 
@@ -112,8 +117,10 @@ def install() -> None:
         return
     # The attributes torch.utils.checkpoint and torch.random.fork_rng look up at call time.
     patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
-        (torch, "get_rng_state", _get_cpu), (torch, "set_rng_state", _set_cpu),
-        (torch.cuda, "get_rng_state", _get_cuda), (torch.cuda, "set_rng_state", _set_cuda),
+        (torch, "get_rng_state", _get_cpu),
+        (torch, "set_rng_state", _set_cpu),
+        (torch.cuda, "get_rng_state", _get_cuda),
+        (torch.cuda, "set_rng_state", _set_cuda),
         (torch.random, "fork_rng", _fork),
     ]
     for module, name, wrap in patches:

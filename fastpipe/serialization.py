@@ -108,10 +108,11 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
     file; the call returns on every pipeline rank once the file is in place.
     """
     _check_arguments("save", pipe, "pipe", path, optimizer, "save(pipe, path, optimizer=None)")
-    share = {"model": _cpu(pipe.state_dict()),
-             "optimizer": None if optimizer is None else _named_optimizer_state(pipe, optimizer)}
-    extra = {"format": FORMAT, "rng": torch.get_rng_state(),
-             "balance": list(getattr(pipe, "balance", []) or [])}
+    share = {
+        "model": _cpu(pipe.state_dict()),
+        "optimizer": None if optimizer is None else _named_optimizer_state(pipe, optimizer),
+    }
+    extra = {"format": FORMAT, "rng": torch.get_rng_state(), "balance": list(getattr(pipe, "balance", []) or [])}
     if not _is_distributed(pipe):
         atomic_write({**extra, **_merge([share])}, path)
         return
@@ -139,21 +140,28 @@ def save(pipe: nn.Module, path: str, optimizer: torch.optim.Optimizer | None = N
         raise RuntimeError(f"fastpipe.save: rank {root} could not write {path}: {status[0]}")
 
 
-def _check_arguments(fn: str, module: object, module_arg: str, path: object, optimizer: object,
-                     signature: str) -> None:
+def _check_arguments(fn: str, module: object, module_arg: str, path: object, optimizer: object, signature: str) -> None:
     """Name the arguments when they are swapped or mistyped, instead of torch's error deep inside."""
     if isinstance(module, (str, os.PathLike)) and isinstance(path, nn.Module):
-        raise TypeError(f"fastpipe.{fn}: the arguments are swapped: it is fastpipe.{signature}, with the "
-                        f"module as {module_arg!r} and the file as 'path'")
+        raise TypeError(
+            f"fastpipe.{fn}: the arguments are swapped: it is fastpipe.{signature}, with the "
+            f"module as {module_arg!r} and the file as 'path'"
+        )
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fastpipe.{fn}: {module_arg} must be the Pipe (or nn.Module) to {fn}, got "
-                        f"{type(module).__name__}; the call is fastpipe.{signature}")
+        raise TypeError(
+            f"fastpipe.{fn}: {module_arg} must be the Pipe (or nn.Module) to {fn}, got "
+            f"{type(module).__name__}; the call is fastpipe.{signature}"
+        )
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"fastpipe.{fn}: path must be a file path (str or os.PathLike), got "
-                        f"{type(path).__name__}; the call is fastpipe.{signature}")
+        raise TypeError(
+            f"fastpipe.{fn}: path must be a file path (str or os.PathLike), got "
+            f"{type(path).__name__}; the call is fastpipe.{signature}"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"fastpipe.{fn}: optimizer must be a torch.optim.Optimizer (or None), got "
-                        f"{type(optimizer).__name__}; the call is fastpipe.{signature}")
+        raise TypeError(
+            f"fastpipe.{fn}: optimizer must be a torch.optim.Optimizer (or None), got "
+            f"{type(optimizer).__name__}; the call is fastpipe.{signature}"
+        )
 
 
 def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -180,8 +188,9 @@ def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, saved: 
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def load(path: str, into: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         restore_rng: bool = False) -> dict[str, Any]:
+def load(
+    path: str, into: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = False
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``into`` (and ``optimizer``).
 
     ``into`` may have another balance than the saved pipe, be a ``DistributedPipe`` (every

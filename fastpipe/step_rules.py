@@ -19,8 +19,15 @@ from typing import Any, Literal
 from fastpipe.microbatch import batch_size, check_value, scatter
 
 __all__ = [
-    "CHECKPOINT_MODES", "Checkpoint", "check_chunks", "check_checkpoint", "checkpoint_predicate", "check_loss_fn",
-    "loss_reduction", "loss_weights", "split_targets",
+    "CHECKPOINT_MODES",
+    "Checkpoint",
+    "check_chunks",
+    "check_checkpoint",
+    "checkpoint_predicate",
+    "check_loss_fn",
+    "loss_reduction",
+    "loss_weights",
+    "split_targets",
 ]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -59,8 +66,10 @@ def checkpoint_predicate(mode: Checkpoint, training: bool, per_minibatch: int) -
 def check_loss_fn(loss_fn: object) -> None:
     """``TypeError`` unless ``loss_fn`` can be called as ``loss_fn(output, target)``."""
     if not callable(loss_fn):
-        raise TypeError(f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
-                        f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()")
+        raise TypeError(
+            f"fastpipe: loss_fn must be callable as loss_fn(output, target), got "
+            f"{type(loss_fn).__name__}; e.g. nn.CrossEntropyLoss()"
+        )
 
 
 def loss_reduction(loss_fn: Any, caller: str) -> Literal["mean", "sum"]:
@@ -76,8 +85,9 @@ def loss_reduction(loss_fn: Any, caller: str) -> Literal["mean", "sum"]:
     """
     reduction = getattr(loss_fn, "reduction", "mean")
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"fastpipe: loss_fn.reduction={reduction!r}; {caller} needs 'mean' or 'sum' (a scalar "
-                         "loss per micro-batch)")
+        raise ValueError(
+            f"fastpipe: loss_fn.reduction={reduction!r}; {caller} needs 'mean' or 'sum' (a scalar loss per micro-batch)"
+        )
     return "sum" if reduction == "sum" else "mean"
 
 

@@ -39,8 +39,9 @@ def action_costs(timeline: Timeline, num_stages: int) -> dict[str, list[float]]:
     }
 
 
-def simulate_measured(timeline: Timeline, schedule: str | Schedule, workers: int, microbatches: int,
-                      virtual_stages: int = 1) -> Timeline:
+def simulate_measured(
+    timeline: Timeline, schedule: str | Schedule, workers: int, microbatches: int, virtual_stages: int = 1
+) -> Timeline:
     """The simulator's timeline of ``schedule`` priced with the costs measured in ``timeline``.
 
     ``schedule`` is a name for :func:`fastpipe.schedule.build` or a built schedule (a
@@ -55,7 +56,14 @@ def simulate_measured(timeline: Timeline, schedule: str | Schedule, workers: int
         raise ValueError("the timeline lacks forward or backward actions on some stage")
     backward = costs.get("B") or [c / 2 for c in costs["BW"]]
     weight = costs.get("W") or [c / 2 for c in costs["BW"]]
-    built = build(schedule, workers, microbatches, virtual_stages=virtual_stages) if isinstance(schedule, str) \
-        else schedule
-    return simulate(built, forward=costs["F"], backward=backward, weight=weight, combined=costs.get("BW"),
-                    update=costs.get("U", 0.0))
+    built = (
+        build(schedule, workers, microbatches, virtual_stages=virtual_stages) if isinstance(schedule, str) else schedule
+    )
+    return simulate(
+        built,
+        forward=costs["F"],
+        backward=backward,
+        weight=weight,
+        combined=costs.get("BW"),
+        update=costs.get("U", 0.0),
+    )

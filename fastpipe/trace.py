@@ -168,8 +168,9 @@ class Timeline:
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Timeline:
         """Rebuilds a timeline written by :meth:`to_dict`."""
-        return Timeline(int(data["num_workers"]), (TimelineEvent(**e) for e in data["events"]),
-                        unit=str(data.get("unit", "s")))
+        return Timeline(
+            int(data["num_workers"]), (TimelineEvent(**e) for e in data["events"]), unit=str(data.get("unit", "s"))
+        )
 
     def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Writes Chrome trace JSON (open in https://ui.perfetto.dev or chrome://tracing).
@@ -220,8 +221,9 @@ class Timeline:
         origin = min((e.start for e in events), default=0.0)
         span = self.makespan or 1.0
         scale, shown = _time_axis(span, self.unit if unit is None else unit)
-        fig, ax = plt.subplots(figsize=(min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40),
-                                        1 + 0.5 * self.num_workers))
+        fig, ax = plt.subplots(
+            figsize=(min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40), 1 + 0.5 * self.num_workers)
+        )
         for e in events:
             parsed = _parse(e.action)
             colour = _COMM_COLOUR if e.kind in _COMM else _COLOURS.get(e.kind, "#8172b2")
@@ -229,11 +231,23 @@ class Timeline:
             if e.kind == "U" and e.duration < span / 200:  # an update too short to see: a tick at its time
                 ax.vlines((e.start - origin) * scale, e.worker - 0.45, e.worker + 0.45, colors=colour, linewidth=2)
                 continue
-            ax.broken_barh([((e.start - origin) * scale, e.duration * scale)], (e.worker - height / 2, height),
-                           facecolors=colour, edgecolors="black", linewidth=0.3)
+            ax.broken_barh(
+                [((e.start - origin) * scale, e.duration * scale)],
+                (e.worker - height / 2, height),
+                facecolors=colour,
+                edgecolors="black",
+                linewidth=0.3,
+            )
             if parsed is not None and e.kind not in _COMM and e.duration > span / 200:
-                ax.text((e.start - origin + e.duration / 2) * scale, e.worker, str(parsed[2]),
-                        ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    (e.start - origin + e.duration / 2) * scale,
+                    e.worker,
+                    str(parsed[2]),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
         ax.set_yticks(range(self.num_workers))
         ax.set_yticklabels([f"worker {w}" for w in range(self.num_workers)])
         ax.invert_yaxis()

@@ -33,8 +33,12 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
     try:
         outcome: dict[str, Any] = {"ok": fn(rank, world, *args)}
     except BaseException as exc:  # noqa: BLE001 - reported to the test
-        outcome = {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start,
-                   "traceback": traceback.format_exc()}
+        outcome = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "elapsed": time.monotonic() - start,
+            "traceback": traceback.format_exc(),
+        }
     torch.save(outcome, os.path.join(outdir, f"{rank}.tmp"))
     os.replace(os.path.join(outdir, f"{rank}.tmp"), os.path.join(outdir, f"{rank}.pt"))
     if "ok" in outcome:
@@ -47,8 +51,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, store.port, outdir, fn, args), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, store.port, outdir, fn, args), daemon=True) for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -27,8 +27,14 @@ def step_seed_after(seed: int) -> int:
         return draw_step_seed()
 
 
-def seeded_forward(model: nn.Sequential, balance: Sequence[int], x: Any, chunks: int, step_seed: int,
-                   per_output: Callable[[int, Any], Any] | None = None) -> list[Any]:
+def seeded_forward(
+    model: nn.Sequential,
+    balance: Sequence[int],
+    x: Any,
+    chunks: int,
+    step_seed: int,
+    per_output: Callable[[int, Any], Any] | None = None,
+) -> list[Any]:
     """Run ``model`` on the micro-batches of ``x``; returns one result per micro-batch.
 
     ``per_output(mb, output)`` (e.g. a loss) runs inside the last stage's task, as

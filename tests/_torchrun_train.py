@@ -28,8 +28,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def main(out: str) -> None:
     dist.init_process_group()  # torchrun's environment; gloo on CPU
     rank, world = dist.get_rank(), dist.get_world_size()
-    pipe = DistributedPipe(model(), balance=[4 // world] * world, chunks=4, schedule="1f1b",
-                           process_group=dist.group.WORLD)
+    pipe = DistributedPipe(
+        model(), balance=[4 // world] * world, chunks=4, schedule="1f1b", process_group=dist.group.WORLD
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
     for x, y in batches():
@@ -48,8 +49,15 @@ def main(out: str) -> None:
             popt.step()
             expected.append(loss.item())
         with open(out, "w") as f:
-            json.dump({"losses": losses, "expected": expected, "world": world,
-                       "transport": type(pipe.runtime.transport).__name__}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "expected": expected,
+                    "world": world,
+                    "transport": type(pipe.runtime.transport).__name__,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

@@ -22,8 +22,9 @@ import torch  # noqa: E402
 # thread a little later, from C, and ends the process. pytest-timeout is not needed.
 GPU_TEST_TIMEOUT = float(os.environ.get("FASTPIPE_GPU_TEST_TIMEOUT", "120"))
 HARD_EXIT_GRACE = float(os.environ.get("FASTPIPE_HARD_EXIT_GRACE", "15"))
-HANG_DUMP = os.environ.get("FASTPIPE_HANG_DUMP") or os.path.join(tempfile.gettempdir(),
-                                                                  f"fastpipe_hang_{os.getpid()}.txt")
+HANG_DUMP = os.environ.get("FASTPIPE_HANG_DUMP") or os.path.join(
+    tempfile.gettempdir(), f"fastpipe_hang_{os.getpid()}.txt"
+)
 
 
 class TestTimeout(Exception):

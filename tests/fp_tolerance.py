@@ -53,8 +53,9 @@ def reordering_tolerance(expected: torch.Tensor, k: int, *, dtype: torch.dtype |
     return {"rtol": rtol, "atol": rtol * max(scale, torch.finfo(expected.dtype).tiny)}
 
 
-def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, *, k: int, msg: str | None = None,
-                           dtype: torch.dtype | None = None) -> None:
+def assert_close_reordered(
+    actual: torch.Tensor, expected: torch.Tensor, *, k: int, msg: str | None = None, dtype: torch.dtype | None = None
+) -> None:
     """``assert_close`` with :func:`reordering_tolerance` of ``expected`` for reductions of length ``k``.
 
     Against a float64 reference of an fp32 computation, pass ``dtype=torch.float32``: the

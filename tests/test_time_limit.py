@@ -12,7 +12,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-BODY = '''
+BODY = """
 import signal, threading, pytest
 
 @pytest.mark.time_limit(1)
@@ -27,7 +27,7 @@ def test_not_reached():
 def test_cannot_be_interrupted():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # like a thread blocked inside C++
     threading.Event().wait()
-'''
+"""
 
 
 def run(tmp_path, selection):
@@ -36,9 +36,26 @@ def run(tmp_path, selection):
     dump = tmp_path / "dump.txt"
     env = dict(os.environ, FASTPIPE_HANG_DUMP=str(dump), FASTPIPE_HARD_EXIT_GRACE="2")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:timeout",
-                           "-k", selection, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:timeout",
+            "-k",
+            selection,
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, dump.read_text() if dump.exists() else "", time.monotonic() - started
 
 

@@ -11,5 +11,13 @@ from fastpipe.asynchronous.fit import FitRun, fit
 from fastpipe.asynchronous.memory import weight_copy_bytes
 from fastpipe.asynchronous.weights import POLICIES
 
-__all__ = ["POLICIES", "SUPPORTED", "FitRun", "check_predictable", "fit", "predict_weights", "update_direction",
-           "weight_copy_bytes"]
+__all__ = [
+    "POLICIES",
+    "SUPPORTED",
+    "FitRun",
+    "check_predictable",
+    "fit",
+    "predict_weights",
+    "update_direction",
+    "weight_copy_bytes",
+]

@@ -70,8 +70,9 @@ def check_predictable(optimizer: torch.optim.Optimizer) -> None:
 def _one_pass(*tensors: Tensor) -> bool:
     """Whether ``_C.adam_predict_f32`` can serve: contiguous fp32 host tensors of one size."""
     n = tensors[0].numel()
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n
-               for t in tensors)
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n for t in tensors
+    )
 
 
 def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -100,8 +101,8 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor])
         step = float(state["step"])
         beta1, beta2 = group["betas"]
         second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
-        m_hat = state["exp_avg"] / (1 - beta1 ** step)
-        v_hat = second / (1 - beta2 ** step)
+        m_hat = state["exp_avg"] / (1 - beta1**step)
+        v_hat = second / (1 - beta2**step)
         delta = m_hat / (v_hat.sqrt() + group["eps"])
         if decoupled or group.get("decoupled_weight_decay", False):
             delta = delta + group["weight_decay"] * p
@@ -110,8 +111,12 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor])
 
 
 @torch.no_grad()
-def predict_weights(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], totals: Sequence[float],
-                    out: Sequence[Tensor] | None = None) -> list[Tensor]:
+def predict_weights(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    totals: Sequence[float],
+    out: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
     """Ŵ = p - total · Δ for each of ``params``, written into ``out`` (new tensors when None).
 
     ``totals[i]`` is the sum of the learning rates of the updates to predict for ``params[i]``
@@ -145,13 +150,21 @@ def predict_weights(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], 
         step = float(state["step"])
         beta1, beta2 = group["betas"]
         second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
-        c1, c2 = 1 - beta1 ** step, (1 - beta2 ** step) ** 0.5
+        c1, c2 = 1 - beta1**step, (1 - beta2**step) ** 0.5
         decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
         decay = -total * group["weight_decay"] if decoupled else 0.0
         first = state["exp_avg"]
         if _one_pass(o, p, first, second):
-            _C.adam_predict_f32(o.data_ptr(), p.data_ptr(), first.data_ptr(), second.data_ptr(), o.numel(),
-                                -total * c2 / c1, group["eps"] * c2, decay)
+            _C.adam_predict_f32(
+                o.data_ptr(),
+                p.data_ptr(),
+                first.data_ptr(),
+                second.data_ptr(),
+                o.numel(),
+                -total * c2 / c1,
+                group["eps"] * c2,
+                decay,
+            )
         else:
             torch.sqrt(second, out=o)
             o.add_(group["eps"] * c2)

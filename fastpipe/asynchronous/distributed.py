@@ -78,17 +78,21 @@ class DistributedFitRun(FitRun):
             for _ in range(n):
                 item = next(self._it, None)
                 if item is None:
-                    raise ValueError(f"fastpipe: rank {runtime.global_rank}'s batches ran out before stage 0's; "
-                                     "every rank must iterate as many mini-batches (e.g. the same DataLoader)")
+                    raise ValueError(
+                        f"fastpipe: rank {runtime.global_rank}'s batches ran out before stage 0's; "
+                        "every rank must iterate as many mini-batches (e.g. the same DataLoader)"
+                    )
                 if last:
                     _, ts, got = self._split(item, need_input=False)
-                    if got != sizes_list[len(targets):len(targets) + m]:
-                        raise ValueError(f"fastpipe: target micro-batch sizes {got} differ from the input's "
-                                         f"{sizes_list[len(targets):len(targets) + m]}")
+                    if got != sizes_list[len(targets) : len(targets) + m]:
+                        raise ValueError(
+                            f"fastpipe: target micro-batch sizes {got} differ from the input's "
+                            f"{sizes_list[len(targets) : len(targets) + m]}"
+                        )
                     targets += ts
             if not last:
                 targets = [None] * (n * m)
-            factors = [f for j in range(n) for f in self._factors(sizes_list[j * m:(j + 1) * m])]
+            factors = [f for j in range(n) for f in self._factors(sizes_list[j * m : (j + 1) * m])]
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -104,10 +108,15 @@ class DistributedFitRun(FitRun):
 
         pipe.last_timeline = runtime.start_timeline(bool(self.trace))
         first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
-        runtime.train(schedule, window.inputs if first else None, LossSpec(self.loss_fn, window.targets,
-                                                                          window.factors),
-                      checkpoint=lambda i: False, caller=CallerState.capture(), step_seed=window.seed,
-                      runner_factory=factory)
+        runtime.train(
+            schedule,
+            window.inputs if first else None,
+            LossSpec(self.loss_fn, window.targets, window.factors),
+            checkpoint=lambda i: False,
+            caller=CallerState.capture(),
+            step_seed=window.seed,
+            runner_factory=factory,
+        )
         buf = torch.zeros(window.minibatches, dtype=torch.float64)
         dtype = torch.get_default_dtype()
         if last:

@@ -56,8 +56,10 @@ class Window:
         """Each mini-batch's loss from the last stage's per-micro-batch losses."""
         m = self.microbatches
         with torch.no_grad():
-            return [torch.stack([self.factors[i] * cast(Tensor, results[i])
-                                 for i in range(j * m, (j + 1) * m)]).sum() for j in range(self.minibatches)]
+            return [
+                torch.stack([self.factors[i] * cast(Tensor, results[i]) for i in range(j * m, (j + 1) * m)]).sum()
+                for j in range(self.minibatches)
+            ]
 
 
 class FitRun(Iterator[Tensor]):
@@ -82,9 +84,19 @@ class FitRun(Iterator[Tensor]):
             window's stream needs at once, times the stage's parameter bytes).
     """
 
-    def __init__(self, pipe: nn.Module, batches: Iterable[tuple[Value | None, Any]],
-                 loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer, *, consistency: str,
-                 scheduler: Any, max_grad_norm: float | None, window: int, trace: bool | None) -> None:
+    def __init__(
+        self,
+        pipe: nn.Module,
+        batches: Iterable[tuple[Value | None, Any]],
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        consistency: str,
+        scheduler: Any,
+        max_grad_norm: float | None,
+        window: int,
+        trace: bool | None,
+    ) -> None:
         if consistency not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -109,8 +121,10 @@ class FitRun(Iterator[Tensor]):
         owned = {id(p) for st in self.stages.values() for p in st.params}
         foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
         if foreign:
-            raise ValueError(f"fastpipe: the optimizer holds parameters that are not trainable parameters of this "
-                             f"pipe (positions {foreign[:5]}); fit steps the pipe's stages one at a time")
+            raise ValueError(
+                f"fastpipe: the optimizer holds parameters that are not trainable parameters of this "
+                f"pipe (positions {foreign[:5]}); fit steps the pipe's stages one at a time"
+            )
         self.pipe = pipe
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -181,9 +195,15 @@ class FitRun(Iterator[Tensor]):
             group.append(item)
         if not group:
             return None
-        return Window(len(group), len(group[0][0]), draw_step_seed(), [v for mbs, _, _ in group for v in mbs],
-                       [t for _, ts, _ in group for t in ts], [n for _, _, sz in group for n in sz],
-                       [f for _, _, sz in group for f in self._factors(sz)])
+        return Window(
+            len(group),
+            len(group[0][0]),
+            draw_step_seed(),
+            [v for mbs, _, _ in group for v in mbs],
+            [t for _, ts, _ in group for t in ts],
+            [n for _, _, sz in group for n in sz],
+            [f for _, _, sz in group for f in self._factors(sz)],
+        )
 
     def _lr_table(self, n: int) -> list[list[float]]:
         """The learning rate of every param group at each of the window's ``n`` updates."""
@@ -207,9 +227,17 @@ class FitRun(Iterator[Tensor]):
         schedule = build_multistep(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
-        weights = {s: StageWeights(st.params, self.consistency, {i: lags[(s, i)] for i in range(m * n)}, m,
-                                   self._predictor(st.params, lrs), self._pools[s])
-                   for s, st in self.stages.items()}
+        weights = {
+            s: StageWeights(
+                st.params,
+                self.consistency,
+                {i: lags[(s, i)] for i in range(m * n)},
+                m,
+                self._predictor(st.params, lrs),
+                self._pools[s],
+            )
+            for s, st in self.stages.items()
+        }
         bound = weight_versions(schedule)[self.consistency]
         for s, st in self.stages.items():
             nbytes = sum(p.numel() * p.element_size() for p in st.params)
@@ -218,12 +246,22 @@ class FitRun(Iterator[Tensor]):
 
         made: list[MultistepRunner] = []
 
-        def make_runner(stages: Mapping[int, Stage], num_stages: int, transport: Transport,
-                        state: StepState) -> MultistepRunner:
-            made.append(MultistepRunner(stages, num_stages, transport, state, checkpoint=checkpoint,
-                                     loss=LossSpec(self.loss_fn, window.targets, window.factors), weights=weights,
-                                     minibatch_size=m,
-                                     apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i])))
+        def make_runner(
+            stages: Mapping[int, Stage], num_stages: int, transport: Transport, state: StepState
+        ) -> MultistepRunner:
+            made.append(
+                MultistepRunner(
+                    stages,
+                    num_stages,
+                    transport,
+                    state,
+                    checkpoint=checkpoint,
+                    loss=LossSpec(self.loss_fn, window.targets, window.factors),
+                    weights=weights,
+                    minibatch_size=m,
+                    apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i]),
+                )
+            )
             return made[-1]
 
         try:
@@ -240,10 +278,10 @@ class FitRun(Iterator[Tensor]):
         """Run one window on the local runtime; returns each mini-batch's loss."""
         pipe: Any = self.pipe
         runtime = pipe.runtime
-        runner = make_runner(self.stages, self.num_stages, runtime.transport(),
-                             StepState(schedule, CallerState.capture(), window.seed))
-        pipe.last_timeline = runtime.start_timeline(pipe.trace if self.trace is None else self.trace,
-                                                    self.num_stages)
+        runner = make_runner(
+            self.stages, self.num_stages, runtime.transport(), StepState(schedule, CallerState.capture(), window.seed)
+        )
+        pipe.last_timeline = runtime.start_timeline(pipe.trace if self.trace is None else self.trace, self.num_stages)
         runner.feed(window.inputs)
         try:
             runtime.execute(schedule, ("F", "BW", "U"), runner, "fit")
@@ -278,16 +316,27 @@ class FitRun(Iterator[Tensor]):
         def predict(version: int, lag: int, out: Sequence[Tensor] | None) -> list[Tensor]:
             # Ŵ = W - Σ_{u=version}^{version+lag-1} lr_u · Δ: XPipe's W - lr·s·Δ (arXiv 1911.04610),
             # with PipeOptim's optimizer-specific Δ (arXiv 2312.00839) and the scheduler's own lrs.
-            totals = [sum(row[index[id(p)]] for row in lrs[version:version + lag]) if id(p) in index else 0.0
-                      for p in params]
+            totals = [
+                sum(row[index[id(p)]] for row in lrs[version : version + lag]) if id(p) in index else 0.0
+                for p in params
+            ]
             return predict_weights(optimizer, params, totals, out)
 
         return predict
 
 
-def fit(pipe: Any, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callable[[Any, Any], Tensor],
-        optimizer: torch.optim.Optimizer, *, consistency: str = "predict", scheduler: Any = None,
-        max_grad_norm: float | None = None, window: int = 8, trace: bool | None = None) -> FitRun:
+def fit(
+    pipe: Any,
+    batches: Iterable[tuple[Value | None, Any]],
+    loss_fn: Callable[[Any, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    consistency: str = "predict",
+    scheduler: Any = None,
+    max_grad_norm: float | None = None,
+    window: int = 8,
+    trace: bool | None = None,
+) -> FitRun:
     """Train ``pipe`` on ``batches``: the same as ``pipe.fit(...)``.
 
     ``pipe`` is a :class:`fastpipe.Pipe` (a :class:`FitRun` comes back) or a
@@ -297,6 +346,14 @@ def fit(pipe: Any, batches: Iterable[tuple[Value | None, Any]], loss_fn: Callabl
     """
     if not callable(getattr(pipe, "fit", None)):
         raise TypeError(f"fastpipe: fit trains a fastpipe.Pipe or DistributedPipe, got {type(pipe).__name__}")
-    run: FitRun = pipe.fit(batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                           max_grad_norm=max_grad_norm, window=window, trace=trace)
+    run: FitRun = pipe.fit(
+        batches,
+        loss_fn,
+        optimizer,
+        consistency=consistency,
+        scheduler=scheduler,
+        max_grad_norm=max_grad_norm,
+        window=window,
+        trace=trace,
+    )
     return run

@@ -80,9 +80,19 @@ class MultistepRunner(StepRunner):
             stage; called from that stage's worker.
     """
 
-    def __init__(self, stages: Mapping[int, Stage], num_stages: int, transport: Transport, state: StepState, *,
-                 checkpoint: Callable[[int], bool], loss: LossSpec, weights: Mapping[int, StageWeights],
-                 minibatch_size: int, apply_update: ApplyUpdate) -> None:
+    def __init__(
+        self,
+        stages: Mapping[int, Stage],
+        num_stages: int,
+        transport: Transport,
+        state: StepState,
+        *,
+        checkpoint: Callable[[int], bool],
+        loss: LossSpec,
+        weights: Mapping[int, StageWeights],
+        minibatch_size: int,
+        apply_update: ApplyUpdate,
+    ) -> None:
         own: dict[int, Stage] = {}
         self._live_params: dict[int, list[nn.Parameter]] = {}
         self._modules: dict[int, _OnVersion] = {}

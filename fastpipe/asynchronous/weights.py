@@ -73,8 +73,15 @@ class StageWeights:
             write copies into; released copies are put back. A new list when None.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], policy: str, lags: Mapping[int, int], minibatch_size: int,
-                 predictor: Predictor | None = None, pool: list[list[Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        policy: str,
+        lags: Mapping[int, int],
+        minibatch_size: int,
+        predictor: Predictor | None = None,
+        pool: list[list[Tensor]] | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {policy!r}")
         self.params = list(params)

@@ -79,12 +79,19 @@ def auto_balance(
     def per_block(values: Sequence[float]) -> list[float]:
         return [float(sum(values[a:b])) for a, b in zip(bounds, bounds[1:])]
 
-    balance = plan(per_block(profile.forward), per_block(profile.backward), workers, microbatches=chunks,
-                   schedule=schedule, memory=None if memory is None else per_block(memory),
-                   memory_limit=memory_limit, virtual_stages=virtual_stages)
+    balance = plan(
+        per_block(profile.forward),
+        per_block(profile.backward),
+        workers,
+        microbatches=chunks,
+        schedule=schedule,
+        memory=None if memory is None else per_block(memory),
+        memory_limit=memory_limit,
+        virtual_stages=virtual_stages,
+    )
     out, block = [], 0
     for count in balance:  # blocks per stage back to layers per stage
-        out.append(sum(blocks[block:block + count]))
+        out.append(sum(blocks[block : block + count]))
         block += count
     return out
 

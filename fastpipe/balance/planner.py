@@ -256,8 +256,10 @@ class _BranchAndBound:
         pf, pb = self.pf, self.pb
         behind = pf[a] + (0.0 if self.split else pb[a])
         b = a
-        while b < self.n and self.fits(a, b + 1) and (
-            behind + self.microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut
+        while (
+            b < self.n
+            and self.fits(a, b + 1)
+            and (behind + self.microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut)
         ):
             b += 1
         return b
@@ -290,4 +292,3 @@ class _BranchAndBound:
                 self.best_time, self.best_cuts = t, cuts + [b]
             else:
                 self.search(cuts + [b])
-

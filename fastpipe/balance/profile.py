@@ -37,7 +37,11 @@ class LayerProfile:
 
 
 def profile_layers(
-    module: nn.Sequential, sample: torch.Tensor, *, device: torch.device | str | None = None, repeats: int = 3,
+    module: nn.Sequential,
+    sample: torch.Tensor,
+    *,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
     on: torch.device | str | None = None,
 ) -> LayerProfile:
     """Measures each layer's forward and backward time and memory on ``sample`` (one micro-batch).

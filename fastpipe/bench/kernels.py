@@ -237,8 +237,9 @@ def _print_table(title: str, rows: list[dict]) -> None:
         print("  ".join(fmt(r.get(k, "")).ljust(w) for k, w in zip(keys, widths, strict=True)))
 
 
-def run_kernels(rows: int | None = None, hidden: int | None = None, use_compile: bool = True,
-                cpu_timings: bool = False) -> dict[str, Any]:
+def run_kernels(
+    rows: int | None = None, hidden: int | None = None, use_compile: bool = True, cpu_timings: bool = False
+) -> dict[str, Any]:
     """Measures every fused op and returns the results; prints nothing (see :func:`main` for the tables).
 
     Args:

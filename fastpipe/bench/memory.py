@@ -110,9 +110,15 @@ def run_memory(hidden: int, ffn: int, batches: list[int], check_blocks: int = 4)
         plain = 1
         for mode in _MODES:
             b = _per_block(mode, hidden, ffn, batch, device)
-            row: dict[str, Any] = {"batch": batch, "mode": mode, "params": b["params"], "state_bytes": b["state"],
-                                   "kept_bytes": b["kept"], "transient_bytes": b["transient"],
-                                   "largest_blocks": _largest(b, budget)}
+            row: dict[str, Any] = {
+                "batch": batch,
+                "mode": mode,
+                "params": b["params"],
+                "state_bytes": b["state"],
+                "kept_bytes": b["kept"],
+                "transient_bytes": b["transient"],
+                "largest_blocks": _largest(b, budget),
+            }
             if mode == "plain":
                 plain = max(row["largest_blocks"], 1)
             row["ratio_to_plain"] = row["largest_blocks"] / plain
@@ -121,9 +127,16 @@ def run_memory(hidden: int, ffn: int, batches: list[int], check_blocks: int = 4)
                 measured = _measured_peak(mode, check_blocks, hidden, ffn, batch, device)
                 row.update(check_blocks=check_blocks, predicted_peak_bytes=predicted, measured_peak_bytes=measured)
             rows.append(row)
-    return {"device": str(device), "budget_bytes": budget, "budget": "90% of device memory" if cuda else
-            "16 GiB (stated; no device limit on CPU)", "hidden": hidden, "ffn": ffn, "batches": batches,
-            "rows": rows, "reference": "GPipe (Huang et al. 2019): about 25x larger models on 8 accelerators"}
+    return {
+        "device": str(device),
+        "budget_bytes": budget,
+        "budget": "90% of device memory" if cuda else "16 GiB (stated; no device limit on CPU)",
+        "hidden": hidden,
+        "ffn": ffn,
+        "batches": batches,
+        "rows": rows,
+        "reference": "GPipe (Huang et al. 2019): about 25x larger models on 8 accelerators",
+    }
 
 
 def plot_memory(result: dict[str, Any], path: str) -> None:

@@ -26,11 +26,12 @@ def _split(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
     base, extra = divmod(len(layers), world)
     sizes = [base + (1 if i < extra else 0) for i in range(world)]
     start = sum(sizes[:rank])
-    return nn.Sequential(*layers[start:start + sizes[rank]])
+    return nn.Sequential(*layers[start : start + sizes[rank]])
 
 
-def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmup: int, steps: int, port: int,
-              out: str) -> None:
+def rank_main(
+    rank: int, method: str, spec: dict[str, Any], schedule: str, warmup: int, steps: int, port: int, out: str
+) -> None:
     """One rank: builds its stage, runs ``warmup + steps`` steps; rank 0 writes the step times."""
     import time
 
@@ -52,8 +53,9 @@ def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmu
 
         base, extra = divmod(len(model), world)
         balance = [base + (1 if i < extra else 0) for i in range(world)]
-        pipe = DistributedPipe(model, balance, chunks=spec["chunks"], schedule=schedule, checkpoint="never",
-                               device=device)
+        pipe = DistributedPipe(
+            model, balance, chunks=spec["chunks"], schedule=schedule, checkpoint="never", device=device
+        )
 
         def step() -> None:
             pipe.zero_grad(set_to_none=True)
@@ -63,8 +65,9 @@ def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmu
 
         part = _split(model, rank, world).to(device)
         stage = PipelineStage(part, stage_index=rank, num_stages=world, device=device)
-        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, n_microbatches=spec["chunks"],
-                                                                          loss_fn=LOSS)
+        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(
+            stage, n_microbatches=spec["chunks"], loss_fn=LOSS
+        )
 
         def step() -> None:
             part.zero_grad(set_to_none=True)
@@ -108,8 +111,9 @@ def rank_main(rank: int, method: str, spec: dict[str, Any], schedule: str, warmu
     dist.destroy_process_group()
 
 
-def spawn_ranks(method: str, workload: Any, *, schedule: str, warmup: int, steps: int,
-                timeout: float) -> tuple[list[float], list[float]]:
+def spawn_ranks(
+    method: str, workload: Any, *, schedule: str, warmup: int, steps: int, timeout: float
+) -> tuple[list[float], list[float]]:
     """Step times of ``method`` (``"fastpipe"`` or ``"pipelining"``) with one rank per device, and
     T_mb timed on rank 0 just before each step.
 
@@ -129,8 +133,13 @@ def spawn_ranks(method: str, workload: Any, *, schedule: str, warmup: int, steps
             raise RuntimeError(f"skipped: torch.distributed.pipelining is not available ({exc})") from exc
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        ctx = mp.start_processes(rank_main, args=(method, spec, schedule, warmup, steps, free_port(), out),
-                                 nprocs=len(spec["devices"]), start_method="spawn", join=False)
+        ctx = mp.start_processes(
+            rank_main,
+            args=(method, spec, schedule, warmup, steps, free_port(), out),
+            nprocs=len(spec["devices"]),
+            start_method="spawn",
+            join=False,
+        )
         import time
 
         end = time.monotonic() + timeout

@@ -52,8 +52,14 @@ class Workload:
         return self.devices[0].startswith("cuda")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"blocks": self.blocks, "hidden": self.hidden, "ffn": self.ffn, "batch": self.batch,
-                "chunks": self.chunks, "devices": list(self.devices)}
+        return {
+            "blocks": self.blocks,
+            "hidden": self.hidden,
+            "ffn": self.ffn,
+            "batch": self.batch,
+            "chunks": self.chunks,
+            "devices": list(self.devices),
+        }
 
 
 def host_workload(tiny: bool = False) -> Workload:
@@ -96,8 +102,10 @@ def _methods(w: Workload, notes: list[str]) -> dict[str, Callable[[], None]]:
     model = lambda: make_model(w.blocks, hidden=w.hidden, ffn=w.ffn)  # noqa: E731
     plain = model().to(first)
     xd, yd = x.to(first), y.to(first)
-    methods = {"plain, 1 device, full batch": plain_step(plain, xd, yd, 1),
-               "gradient accumulation, 1 device (T_mb)": accumulation_step(plain, xd, yd, w.chunks)}
+    methods = {
+        "plain, 1 device, full batch": plain_step(plain, xd, yd, 1),
+        "gradient accumulation, 1 device (T_mb)": accumulation_step(plain, xd, yd, w.chunks),
+    }
     if not w.cuda:
         methods["plain, 2 threads, full batch"] = plain_step(plain, xd, yd, 2)
     balance = _balance(w.blocks, w.k)
@@ -153,8 +161,14 @@ def run_e2e(deadline: float, rounds: int = 5, tiny: bool = False) -> dict[str, A
 
         try:
             # Its own paired T_mb is not mixed in: the in-process methods share one baseline.
-            steps, _ = spawn_ranks("pipelining", w, schedule="1f1b", warmup=1, steps=max(2, rounds),
-                                   timeout=max(60.0, deadline - time.monotonic()))
+            steps, _ = spawn_ranks(
+                "pipelining",
+                w,
+                schedule="1f1b",
+                warmup=1,
+                steps=max(2, rounds),
+                timeout=max(60.0, deadline - time.monotonic()),
+            )
             times[f"torch.distributed.pipelining 1F1B ({w.k} ranks)"] = steps
         except Exception as exc:  # noqa: BLE001
             notes.append(f"torch.distributed.pipelining: {exc}")
@@ -166,11 +180,21 @@ def summarise(times: dict[str, list[float]], w: Workload, notes: list[str]) -> d
     med = {name: statistics.median(ts) for name, ts in times.items() if ts}
     t_mb = med["gradient accumulation, 1 device (T_mb)"]
     limit = limit_of(t_mb, w.k, w.chunks)
-    rows = [{"method": name, "median_s": t, "speedup_over_1_device": t_mb / t, "fraction_of_limit": limit / t}
-            for name, t in med.items()]
-    return {"workload": w.to_dict(), "k": w.k, "m": w.chunks, "t_mb_s": t_mb, "limit_s": limit,
-            "ideal_speedup": t_mb / limit, "rows": rows, "notes": notes,
-            "reference": "GPipe (Huang et al. 2019): 3.5x on 4 devices for AmoebaNet-D"}
+    rows = [
+        {"method": name, "median_s": t, "speedup_over_1_device": t_mb / t, "fraction_of_limit": limit / t}
+        for name, t in med.items()
+    ]
+    return {
+        "workload": w.to_dict(),
+        "k": w.k,
+        "m": w.chunks,
+        "t_mb_s": t_mb,
+        "limit_s": limit,
+        "ideal_speedup": t_mb / limit,
+        "rows": rows,
+        "notes": notes,
+        "reference": "GPipe (Huang et al. 2019): 3.5x on 4 devices for AmoebaNet-D",
+    }
 
 
 def plot_e2e(result: dict[str, Any], path: str) -> None:
@@ -189,4 +213,3 @@ def plot_e2e(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-

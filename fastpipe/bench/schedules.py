@@ -37,26 +37,31 @@ def run(workers: Sequence[int] = WORKERS, microbatches: Sequence[int] = MICROBAT
                 if name == "interleaved" and m % k:
                     continue
                 t = simulate(build(name, k, m, virtual_stages=v), forward=1 / v, backward=1 / v, weight=1 / v)
-                rows.append({
-                    "schedule": name if v == 1 else f"{name} (v={v})",
-                    "K": k,
-                    "M": m,
-                    "makespan": t.makespan,
-                    "bubble": t.bubble_fraction,
-                    "peak_activations": t.peak_activations,
-                    "peak_worker0_equiv": t.peak_activations[0] / v,
-                })
+                rows.append(
+                    {
+                        "schedule": name if v == 1 else f"{name} (v={v})",
+                        "K": k,
+                        "M": m,
+                        "makespan": t.makespan,
+                        "bubble": t.bubble_fraction,
+                        "peak_activations": t.peak_activations,
+                        "peak_worker0_equiv": t.peak_activations[0] / v,
+                    }
+                )
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'schedule':<20} {'K':>2} {'M':>3} {'makespan':>9} {'bubble':>7}  "
-            f"{'peak act. per worker':<28} {'w0 eq.':>6}")
+    head = (
+        f"{'schedule':<20} {'K':>2} {'M':>3} {'makespan':>9} {'bubble':>7}  {'peak act. per worker':<28} {'w0 eq.':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         peaks = ",".join(str(p) for p in r["peak_activations"])
-        lines.append(f"{r['schedule']:<20} {r['K']:>2} {r['M']:>3} {r['makespan']:>9.1f} {r['bubble']:>7.1%}  "
-                     f"{peaks:<28} {r['peak_worker0_equiv']:>6.1f}")
+        lines.append(
+            f"{r['schedule']:<20} {r['K']:>2} {r['M']:>3} {r['makespan']:>9.1f} {r['bubble']:>7.1%}  "
+            f"{peaks:<28} {r['peak_worker0_equiv']:>6.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -68,9 +73,14 @@ _LINES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2, 4, 2)))
 
 
 def _style(index: int) -> dict[str, Any]:
-    return {"marker": _MARKERS[index % len(_MARKERS)], "linestyle": _LINES[index % len(_LINES)],
-            "markersize": max(11 - 2 * index, 4), "markerfacecolor": "none", "markeredgewidth": 1.5,
-            "linewidth": 1.5}
+    return {
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "linestyle": _LINES[index % len(_LINES)],
+        "markersize": max(11 - 2 * index, 4),
+        "markerfacecolor": "none",
+        "markeredgewidth": 1.5,
+        "linewidth": 1.5,
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -104,8 +114,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         axes[1][col].set_yscale("log", base=2)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("Simulated schedules, unit costs F = B = W = 1")
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=len(names), fontsize=9,
-               frameon=False, markerscale=0.8)
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.955),
+        ncol=len(names),
+        fontsize=9,
+        frameon=False,
+        markerscale=0.8,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -15,14 +15,24 @@ from torch import nn
 
 from fastpipe.bench.workload import CHUNKS, make_batch, make_model
 
-__all__ = ["LOSS", "plain_step", "accumulation_step", "pipe_step", "train_step", "timed_rounds", "pippy_worker",
-           "pippy_times", "free_port"]
+__all__ = [
+    "LOSS",
+    "plain_step",
+    "accumulation_step",
+    "pipe_step",
+    "train_step",
+    "timed_rounds",
+    "pippy_worker",
+    "pippy_times",
+    "free_port",
+]
 
 LOSS = nn.MSELoss()
 
 
 def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int) -> Callable[[], None]:
     """Full-batch forward and backward with ``threads`` intra-op threads."""
+
     def step() -> None:
         torch.set_num_threads(threads)
         model.zero_grad(set_to_none=True)
@@ -46,6 +56,7 @@ def accumulation_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks
 
 def pipe_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     """``pipe(x)`` then ``loss.backward()`` (torchgpipe's contract; GPipe for fastpipe)."""
+
     def step() -> None:
         pipe.zero_grad(set_to_none=True)
         LOSS(pipe(x), y).backward()
@@ -55,6 +66,7 @@ def pipe_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
 
 def train_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: str) -> Callable[[], None]:
     """``Pipe.train_step`` under ``schedule``."""
+
     def step() -> None:
         pipe.zero_grad(set_to_none=True)
         pipe.train_step(x, y, LOSS, schedule=schedule)  # type: ignore[operator]
@@ -62,8 +74,7 @@ def train_step(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: str)
     return step
 
 
-def timed_rounds(rank: int, step: Callable[[], None], warmup: int, steps: int, out: str,
-                 paired: bool = False) -> None:
+def timed_rounds(rank: int, step: Callable[[], None], warmup: int, steps: int, out: str, paired: bool = False) -> None:
     """Time ``step`` between barriers on every rank; rank 0 writes ``{"steps", "t_mb"}`` to ``out``.
 
     With ``paired``, rank 0 also times T_mb (the 1-thread gradient accumulation) before each
@@ -103,8 +114,9 @@ def timed_rounds(rank: int, step: Callable[[], None], warmup: int, steps: int, o
             json.dump({"steps": times, "t_mb": t_mbs}, f)
 
 
-def pippy_worker(rank: int, schedule_name: str, warmup: int, steps: int, port: int, out: str,
-                 paired: bool = False) -> None:
+def pippy_worker(
+    rank: int, schedule_name: str, warmup: int, steps: int, port: int, out: str, paired: bool = False
+) -> None:
     """One gloo rank of ``torch.distributed.pipelining`` on the reference workload, split in two halves."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -149,7 +161,8 @@ def pippy_times(schedule_name: str, warmup: int, steps: int) -> list[float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        mp.start_processes(pippy_worker, args=(schedule_name, warmup, steps, free_port(), out), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(
+            pippy_worker, args=(schedule_name, warmup, steps, free_port(), out), nprocs=2, start_method="spawn"
+        )
         with open(out) as f:
             return list(json.load(f)["steps"])

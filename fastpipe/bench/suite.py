@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer rounds and smaller sweeps (under 8 min on one H200)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of: {', '.join(PARTS)}")
     p.add_argument("--out", default="fastpipe-bench", help="folder for bench.json, PNG charts and results.md")
-    p.add_argument("--tiny", action="store_true",
-                   help="toy sizes that finish in seconds on CPU (tests; the figures mean nothing)")
+    p.add_argument(
+        "--tiny", action="store_true", help="toy sizes that finish in seconds on CPU (tests; the figures mean nothing)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -56,8 +57,9 @@ def _parts(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS]
     if unknown or not names:
-        raise ValueError(f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; choose from "
-                         f"{', '.join(PARTS)}")
+        raise ValueError(
+            f"--only: unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -99,14 +101,18 @@ def _distributed(args: argparse.Namespace, deadline: float, out: str) -> dict[st
     times: dict[str, list[float]] = {t_mb: []}
     notes: list[str] = ["T_mb is timed on rank 0 just before each step, while the other ranks wait"]
     if w.cuda and w.k < 2:
-        return {"skipped": "one rank per GPU needs 2 or more GPUs (NCCL refuses two ranks on one GPU)",
-                "notes": ["skipped: one rank per GPU needs 2 or more GPUs"]}
+        return {
+            "skipped": "one rank per GPU needs 2 or more GPUs (NCCL refuses two ranks on one GPU)",
+            "notes": ["skipped: one rank per GPU needs 2 or more GPUs"],
+        }
     backend = "NCCL" if w.cuda else "gloo"
     runs = [("fastpipe", s) for s in ("1f1b", "gpipe")] + [("pipelining", s) for s in ("1f1b", "gpipe")]
     for method, sched in runs:
         left = deadline - time.monotonic()
-        name = f"{'fastpipe DistributedPipe' if method == 'fastpipe' else 'torch.distributed.pipelining'} " \
-               f"{sched} ({w.k} {backend} ranks)"
+        name = (
+            f"{'fastpipe DistributedPipe' if method == 'fastpipe' else 'torch.distributed.pipelining'} "
+            f"{sched} ({w.k} {backend} ranks)"
+        )
         if left < 10:
             notes.append(f"{name}: skipped, time budget spent")
             continue
@@ -151,14 +157,22 @@ def _memory(args: argparse.Namespace, deadline: float, out: str) -> dict[str, An
 
 
 _RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] = {
-    "e2e": _e2e, "schedules": _schedules, "distributed": _distributed, "copy": _copy, "kernels": _kernels,
+    "e2e": _e2e,
+    "schedules": _schedules,
+    "distributed": _distributed,
+    "copy": _copy,
+    "kernels": _kernels,
     "memory": _memory,
 }
 
 
 # The files each part may write beside bench.json and results.md (a chart needs matplotlib).
-_FILES: dict[str, tuple[str, ...]] = {"e2e": ("e2e.png",), "schedules": ("schedules.png",),
-                                      "kernels": ("kernels.json",), "memory": ("memory.png",)}
+_FILES: dict[str, tuple[str, ...]] = {
+    "e2e": ("e2e.png",),
+    "schedules": ("schedules.png",),
+    "kernels": ("kernels.json",),
+    "memory": ("memory.png",),
+}
 
 
 def _written(out: str, names: list[str]) -> list[str]:
@@ -169,9 +183,15 @@ def _written(out: str, names: list[str]) -> list[str]:
 
 def _host() -> dict[str, Any]:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "cpus": os.cpu_count(), "gpus": gpus, "loadavg_1m": os.getloadavg()[0],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpus": gpus,
+        "loadavg_1m": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,8 +213,11 @@ def run(args: argparse.Namespace) -> int:
             entry: dict[str, Any] = {"status": "ok", "result": result}
         except Exception as exc:  # noqa: BLE001 - one failing part must not hide the others
             failed = True
-            entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc(limit=6)}
+            entry = {
+                "status": "failed",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=6),
+            }
             print(f"fastpipe bench: {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         entry["seconds"] = time.monotonic() - t0
         entry["budget_s"] = budget

@@ -60,7 +60,11 @@ class PipelineNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: NodeRun, *tensors: Tensor) -> Any:
         outputs, state = run.runtime.forward(
-            run.schedule, run.microbatches, grad=True, checkpoint=run.checkpoint, caller=run.caller,
+            run.schedule,
+            run.microbatches,
+            grad=True,
+            checkpoint=run.checkpoint,
+            caller=run.caller,
             step_seed=run.step_seed,
         )
         run.after_forward()
@@ -92,8 +96,9 @@ class PipelineNode(torch.autograd.Function):
         return (None, *join_input_grads(input_grads, run.input_devices), *flat_params)
 
 
-def join_input_grads(input_grads: Sequence[Sequence[Tensor | None]],
-                     devices: Sequence[torch.device]) -> list[Tensor | None]:
+def join_input_grads(
+    input_grads: Sequence[Sequence[Tensor | None]], devices: Sequence[torch.device]
+) -> list[Tensor | None]:
     """One gradient per input tensor, joined over micro-batches, on that input's device.
 
     Stage 0 computes them on its own device; autograd wants each where its input lives

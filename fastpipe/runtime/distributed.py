@@ -44,6 +44,7 @@ RunnerFactory = Callable[[Mapping[int, Stage], int, Any, StepState], StepRunner]
 
 _SHOWN_WAIT = 1e-4  # seconds: shorter waits for a peer's value stay out of the timeline
 
+
 @dataclass
 class StepOutcome:
     """What one distributed training step returns on every rank.
@@ -75,9 +76,18 @@ class DistributedRuntime:
         recorder: optional ``(worker, action_text, start_s, end_s)`` callback.
     """
 
-    def __init__(self, stages: Mapping[int, Stage], num_stages: int, *, group: Any = None, dp_group: Any = None,
-                 timeout: float = DEFAULT_TIMEOUT, store: dist.Store | None = None,
-                 bucket_bytes: int = 25 << 20, recorder: Recorder | None = None) -> None:
+    def __init__(
+        self,
+        stages: Mapping[int, Stage],
+        num_stages: int,
+        *,
+        group: Any = None,
+        dp_group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        store: dist.Store | None = None,
+        bucket_bytes: int = 25 << 20,
+        recorder: Recorder | None = None,
+    ) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
         self.size = dist.get_world_size(self.group)
@@ -149,11 +159,14 @@ class DistributedRuntime:
         """A gloo group of the pipeline's ranks, created within ``timeout`` or PipelineError."""
         ranks = [self.global_rank_of(r) for r in range(self.size)]
         try:
-            return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                                  timeout=datetime.timedelta(seconds=self.timeout))
+            return dist.new_group(
+                ranks, backend="gloo", use_local_synchronization=True, timeout=datetime.timedelta(seconds=self.timeout)
+            )
         except Exception as exc:  # noqa: BLE001 - the store barrier inside timed out: a rank is missing
-            raise PipelineError(f"fastpipe: setting up the pipeline: not every rank of {ranks} arrived within "
-                                f"{self.timeout:g} s (a rank died, hangs or failed its set-up): {exc}") from exc
+            raise PipelineError(
+                f"fastpipe: setting up the pipeline: not every rank of {ranks} arrived within "
+                f"{self.timeout:g} s (a rank died, hangs or failed its set-up): {exc}"
+            ) from exc
 
     def _check_same_transport(self) -> None:
         """All ranks must match messages the same way (``FASTPIPE_P2P`` is read on each rank)."""
@@ -161,8 +174,10 @@ class DistributedRuntime:
         dist.all_gather_object(modes, "ordered" if self.ordered else "tags", group=self.control_group)
         if len(set(modes)) > 1:
             per_rank = ", ".join(f"rank {self.global_rank_of(r)}: {m}" for r, m in enumerate(modes))
-            raise ValueError(f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
-                             "FASTPIPE_P2P the same on every rank, or unset it")
+            raise ValueError(
+                f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
+                "FASTPIPE_P2P the same on every rank, or unset it"
+            )
 
     def _abort_key(self) -> str:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
@@ -217,9 +232,9 @@ class DistributedRuntime:
         self.recorder = timeline.record if timeline is not None else None
         return timeline
 
-    def broadcast_sizes(self, sizes: Sequence[int] | None, max_chunks: int, step_seed: int = 0) -> tuple[
-        list[int], int
-    ]:
+    def broadcast_sizes(
+        self, sizes: Sequence[int] | None, max_chunks: int, step_seed: int = 0
+    ) -> tuple[list[int], int]:
         """Share the micro-batch sizes and the step's seed from stage 0's rank with the pipeline.
 
         Returns ``(sizes, step_seed)`` as stage 0's rank gave them, so that every stage draws
@@ -231,14 +246,22 @@ class DistributedRuntime:
             assert sizes is not None
             buf[0] = len(sizes)
             buf[1] = step_seed
-            buf[2:2 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
+            buf[2 : 2 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
         buf = self.broadcast(buf, self.first_rank, "the micro-batch sizes")
         count = int(buf[0])
-        return [int(v) for v in buf[2:2 + count]], int(buf[1])
+        return [int(v) for v in buf[2 : 2 + count]], int(buf[1])
 
-    def train(self, schedule: Schedule, microbatches: Sequence[Value] | None, loss: LossSpec, *,
-              checkpoint: Callable[[int], bool], caller: CallerState | None = None,
-              step_seed: int = 0, runner_factory: RunnerFactory | None = None) -> StepOutcome:
+    def train(
+        self,
+        schedule: Schedule,
+        microbatches: Sequence[Value] | None,
+        loss: LossSpec,
+        *,
+        checkpoint: Callable[[int], bool],
+        caller: CallerState | None = None,
+        step_seed: int = 0,
+        runner_factory: RunnerFactory | None = None,
+    ) -> StepOutcome:
         """Run this rank's actions of one step; the loss comes back on every rank.
 
         Args:
@@ -250,13 +273,17 @@ class DistributedRuntime:
         if self.watchdog.failure is not None:
             raise self.watchdog.failure
         if schedule.num_workers != self.size or schedule.num_stages != self.num_stages:
-            raise ValueError(f"fastpipe: schedule for {schedule.num_workers} workers / {schedule.num_stages} stages "
-                             f"on a group of {self.size} ranks holding {self.num_stages} stages")
+            raise ValueError(
+                f"fastpipe: schedule for {schedule.num_workers} workers / {schedule.num_stages} stages "
+                f"on a group of {self.size} ranks holding {self.num_stages} stages"
+            )
         self.steps += 1
         state = StepState(schedule, caller or CallerState.capture(), step_seed)
-        runner = (StepRunner(self.stages, self.num_stages, self.transport, state, grad=True,
-                             checkpoint=checkpoint, loss=loss) if runner_factory is None
-                  else runner_factory(self.stages, self.num_stages, self.transport, state))
+        runner = (
+            StepRunner(self.stages, self.num_stages, self.transport, state, grad=True, checkpoint=checkpoint, loss=loss)
+            if runner_factory is None
+            else runner_factory(self.stages, self.num_stages, self.transport, state)
+        )
         actions = schedule.workers[self.rank]
         steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}
@@ -282,21 +309,23 @@ class DistributedRuntime:
                     start = handlers[action.kind](action)
                 except PipelineError as exc:
                     if self.watchdog.failure is None:  # raised here (a plan bug), not learnt from a peer
-                        self.watchdog.fail(f"rank {self.global_rank} ({_where(action, actions[i + 1:], self.steps)})"
-                                           f" raised PipelineError: {exc}")
+                        self.watchdog.fail(
+                            f"rank {self.global_rank} ({_where(action, actions[i + 1 :], self.steps)})"
+                            f" raised PipelineError: {exc}"
+                        )
                     raise
                 except BaseException as exc:
-                    where = _where(action, actions[i + 1:], self.steps)
-                    self.watchdog.fail(f"rank {self.global_rank} ({where}) raised "
-                                       f"{type(exc).__name__}: {exc}")
+                    where = _where(action, actions[i + 1 :], self.steps)
+                    self.watchdog.fail(f"rank {self.global_rank} ({where}) raised {type(exc).__name__}: {exc}")
                     raise annotate(exc, f"fastpipe: raised on rank {self.global_rank} in {where}") from None
                 if self.recorder is not None:
                     self._record_wait(inputs(schedule, action), called, start)
                     self.recorder(self.rank, str(action), start, time.perf_counter())
                 if self.dp_group is not None and last_grad_action.get(action.stage) == i:
                     stage = action.stage
-                    reductions += start_reduce(stage, self.stages[stage].params, runner.param_grads[stage],
-                                               self.dp_group, self.bucket_bytes)
+                    reductions += start_reduce(
+                        stage, self.stages[stage].params, runner.param_grads[stage], self.dp_group, self.bucket_bytes
+                    )
             self.transport.finish()
             for bucket in reductions:
                 self.wait_collective(bucket.work, f"the data-parallel gradient all-reduce of stage {bucket.stage}")
@@ -360,11 +389,14 @@ def _ordered(backend: str) -> bool:
 def _check_nccl_device(device: torch.device) -> None:
     """NCCL moves CUDA tensors of the current device only; anything else hangs or fails late."""
     if device.type != "cuda":
-        raise ValueError(f"fastpipe: an NCCL pipeline group moves CUDA tensors, but this rank's stages are on "
-                         f"{device}; place them on this rank's GPU, or use a gloo group for CPU stages")
+        raise ValueError(
+            f"fastpipe: an NCCL pipeline group moves CUDA tensors, but this rank's stages are on "
+            f"{device}; place them on this rank's GPU, or use a gloo group for CPU stages"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch.cuda.current_device():
-        raise ValueError(f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
-                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
-                         "building the pipeline (NCCL's batched send/receive hangs otherwise)")
-
+        raise ValueError(
+            f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
+            "building the pipeline (NCCL's batched send/receive hangs otherwise)"
+        )

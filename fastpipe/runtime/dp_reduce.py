@@ -30,8 +30,9 @@ class Bucket:
     index: list[int]
 
 
-def start_reduce(stage: int, params: Sequence[nn.Parameter], grads: list[Tensor | None], group: Any,
-                 bucket_bytes: int) -> list[Bucket]:
+def start_reduce(
+    stage: int, params: Sequence[nn.Parameter], grads: list[Tensor | None], group: Any, bucket_bytes: int
+) -> list[Bucket]:
     """Launch the async all-reduces of ``grads`` (a stage's, one per parameter) over ``group``.
 
     A parameter without a gradient gets zeros: the replicas must agree on the layout.
@@ -68,5 +69,5 @@ def finish_reduce(grads: list[Tensor | None], bucket: Bucket, group: Any) -> Non
     for i in bucket.index:
         g = grads[i]
         assert g is not None
-        grads[i] = bucket.flat[offset:offset + g.numel()].view_as(g)
+        grads[i] = bucket.flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()

@@ -47,8 +47,10 @@ from fastpipe.schedule import Action, Schedule
 
 __all__ = ["inline_workers", "run_inline", "worker_like"]
 
-def inline_workers(schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool,
-                   simulated: frozenset[int] = frozenset()) -> frozenset[int]:
+
+def inline_workers(
+    schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool, simulated: frozenset[int] = frozenset()
+) -> frozenset[int]:
     """The workers whose actions the calling thread must run itself.
 
     Args:

@@ -134,12 +134,14 @@ class P2PTransport(Transport):
         src = self._global(self.owner(src_stage))
         with self._posting(describe(*key), f"rank {src}"):
             work = dist.irecv(header, src=src, group=self.group, tag=self._tag(kind, stage, microbatch, 0))
-        speculative = [self._post(key, i, nbytes, src, _SPECULATIVE)
-                       for i, nbytes in enumerate(self._recv_layout.get(key, ())) if nbytes]
+        speculative = [
+            self._post(key, i, nbytes, src, _SPECULATIVE)
+            for i, nbytes in enumerate(self._recv_layout.get(key, ()))
+            if nbytes
+        ]
         self._inbound[key] = _Inbound(src, self._peer(src_stage), work, speculative)
 
-    def _post(self, key: tuple[int, int, int], item: int, nbytes: int, src: int,
-              base: int) -> tuple[int, Tensor, Any]:
+    def _post(self, key: tuple[int, int, int], item: int, nbytes: int, src: int, base: int) -> tuple[int, Tensor, Any]:
         buf = self._buffers.get((*key, item))
         if buf is None or buf.numel() != nbytes:
             buf = self._buffers[(*key, item)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -192,8 +194,10 @@ class P2PTransport(Transport):
         key = (kind, stage, microbatch)
         dst = self._global(self.owner(stage))
         if len(meta) - 2 > _FRESH - _SPECULATIVE:
-            raise ValueError(f"fastpipe: a stage output has {len(meta) - 2} items; at most "
-                             f"{_FRESH - _SPECULATIVE} can cross a rank boundary")
+            raise ValueError(
+                f"fastpipe: a stage output has {len(meta) - 2} items; at most "
+                f"{_FRESH - _SPECULATIVE} can cross a rank boundary"
+            )
         layout = payload_sizes(meta)
         previous = self._sent_layout.get(key)
         meta[1] = previous == layout
@@ -202,8 +206,11 @@ class P2PTransport(Transport):
         if previous is not None and previous != layout:  # fill the receives posted for the old layout
             for i, nbytes in enumerate(previous):
                 if nbytes:
-                    self._isend(torch.zeros(nbytes, dtype=torch.uint8, device=self.device), dst,
-                                self._tag(*key, _SPECULATIVE + i))
+                    self._isend(
+                        torch.zeros(nbytes, dtype=torch.uint8, device=self.device),
+                        dst,
+                        self._tag(*key, _SPECULATIVE + i),
+                    )
         base = _SPECULATIVE if previous == layout else _FRESH
         flat = iter(tensors)
         for i, item in enumerate(meta[2:]):
@@ -217,21 +224,22 @@ class P2PTransport(Transport):
         flags = iter(requires_grad)
         if self.owner(stage) == self.rank:
             self._local[(ACT, stage, microbatch)] = _map_tensors(
-                value, lambda t: t.detach().requires_grad_(next(flags)))
+                value, lambda t: t.detach().requires_grad_(next(flags))
+            )
             return
         items = [value] if isinstance(value, Tensor) else list(value)
         meta: list[Any] = [isinstance(value, Tensor), False]
         for v in items:
-            meta.append(("t", tuple(v.shape), str(v.dtype), bool(next(flags))) if isinstance(v, Tensor)
-                        else ("v", v))
+            meta.append(("t", tuple(v.shape), str(v.dtype), bool(next(flags))) if isinstance(v, Tensor) else ("v", v))
         self._send(ACT, stage, microbatch, meta, tensors_of(value))
 
     def send_grad(self, stage: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
         if self.owner(stage) == self.rank:
             self._local[(GRAD, stage, microbatch)] = [None if g is None else g.detach() for g in grads]
             return
-        meta: list[Any] = [False, False] + [("n",) if g is None else ("t", tuple(g.shape), str(g.dtype), False)
-                                            for g in grads]
+        meta: list[Any] = [False, False] + [
+            ("n",) if g is None else ("t", tuple(g.shape), str(g.dtype), False) for g in grads
+        ]
         self._send(GRAD, stage, microbatch, meta, [g for g in grads if g is not None])
 
     # -- receiving ------------------------------------------------------------------
@@ -268,8 +276,7 @@ class P2PTransport(Transport):
         if local is not None:
             return local
         meta, tensors = self._receive(ACT, stage, microbatch)
-        items = [tensors[i].requires_grad_(item[3]) if item[0] == "t" else item[1]
-                 for i, item in enumerate(meta[2:])]
+        items = [tensors[i].requires_grad_(item[3]) if item[0] == "t" else item[1] for i, item in enumerate(meta[2:])]
         return items[0] if meta[0] else tuple(items)
 
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:

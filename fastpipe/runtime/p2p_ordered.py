@@ -49,12 +49,14 @@ class OrderedTransport(P2PTransport):
         device: where payloads live (this rank's GPU for NCCL).
     """
 
-    def __init__(self, group: Any, header_group: Any, num_stages: int, watchdog: Watchdog,
-                 device: torch.device) -> None:
+    def __init__(
+        self, group: Any, header_group: Any, num_stages: int, watchdog: Watchdog, device: torch.device
+    ) -> None:
         if backend_for(header_group, "cpu") != "gloo":
             raise ValueError("fastpipe: the header group of an ordered transport must be a gloo group")
         if [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))] != [
-                dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))]:
+            dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))
+        ]:
             raise ValueError("fastpipe: the header group must hold the pipeline group's ranks in the same order")
         super().__init__(header_group, num_stages, watchdog, torch.device("cpu"))
         if device.type == "cuda" and device.index is None:  # compare like the tensors' own devices
@@ -82,10 +84,16 @@ class OrderedTransport(P2PTransport):
         ops: list[dist.P2POp] = []
         for peer in sorted({(self.rank + 1) % self.size, (self.rank - 1) % self.size}):
             g = self._global(peer)
-            ops.append(dist.P2POp(dist.isend, torch.ones(1, dtype=torch.uint8, device=self.data_device), g,
-                                  group=self.data_group))
-            ops.append(dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g,
-                                  group=self.data_group))
+            ops.append(
+                dist.P2POp(
+                    dist.isend, torch.ones(1, dtype=torch.uint8, device=self.data_device), g, group=self.data_group
+                )
+            )
+            ops.append(
+                dist.P2POp(
+                    dist.irecv, torch.zeros(1, dtype=torch.uint8, device=self.data_device), g, group=self.data_group
+                )
+            )
         with self._posting("the connection handshake", "a neighbour rank"):
             works = dist.batch_isend_irecv(ops)
         for work in works:
@@ -103,8 +111,10 @@ class OrderedTransport(P2PTransport):
         for t in tensors:
             flat = t.detach().contiguous().reshape(-1)
             if flat.device != self.data_device:
-                raise ValueError(f"fastpipe: {describe(*key)} is on {flat.device}; the pipeline group moves tensors "
-                                 f"on {self.data_device} (keep every stage's outputs on its device)")
+                raise ValueError(
+                    f"fastpipe: {describe(*key)} is on {flat.device}; the pipeline group moves tensors "
+                    f"on {self.data_device} (keep every stage's outputs on its device)"
+                )
             if flat.numel():
                 payload.append(flat.view(torch.uint8))
         self._isend(pack(meta), dst, self._tag(*key, 0))
@@ -135,8 +145,7 @@ class OrderedTransport(P2PTransport):
                 if nbytes:
                     buf = self._buffers.get((*key, i))
                     if buf is None or buf.numel() != nbytes or buf.device != self.data_device:
-                        buf = self._buffers[(*key, i)] = torch.empty(nbytes, dtype=torch.uint8,
-                                                                     device=self.data_device)
+                        buf = self._buffers[(*key, i)] = torch.empty(nbytes, dtype=torch.uint8, device=self.data_device)
                     buffers[i] = buf
                     receiving.append((key, len(p2p)))
                     p2p.append(dist.P2POp(dist.irecv, buf, inbound.src, group=self.data_group))
@@ -192,8 +201,7 @@ class OrderedTransport(P2PTransport):
         if self._outbox or self._arrived:
             left = sorted(self._outbox) + sorted(self._arrived)
             self.reset()
-            raise PipelineError(f"fastpipe: values never posted or never consumed in this step: {left} "
-                                "(a plan bug)")
+            raise PipelineError(f"fastpipe: values never posted or never consumed in this step: {left} (a plan bug)")
         self._payload_recvs.drain(self.watchdog)
         self._payload_sends.drain(self.watchdog)
         super().finish()

@@ -34,8 +34,9 @@ class Snapshot:
     def __init__(self, module: nn.Module, inputs: Value) -> None:
         self.inputs = inputs
         self.versions = _versions(inputs)
-        self._slots = [(mod, name, b._version) for mod in module.modules() for name, b in mod._buffers.items()
-                       if b is not None]
+        self._slots = [
+            (mod, name, b._version) for mod in module.modules() for name, b in mod._buffers.items() if b is not None
+        ]
         self.written: list[Slot] = []
 
     def seal(self, stage: int, microbatch: int) -> None:
@@ -44,15 +45,19 @@ class Snapshot:
         self.versions = _versions(self.inputs)
         # Norm layers' running statistics are written inside the kernel, which leaves no trace
         # in the version counter: count them as written.
-        self.written = [(mod, name) for mod, name, version in self._slots
-                        if isinstance(mod, nn.modules.batchnorm._NormBase) or _version_of(mod, name) != version]
+        self.written = [
+            (mod, name)
+            for mod, name, version in self._slots
+            if isinstance(mod, nn.modules.batchnorm._NormBase) or _version_of(mod, name) != version
+        ]
         self._slots = []
 
     @contextlib.contextmanager
     def replaying(self, stage: int, microbatch: int) -> Iterator[None]:
         """Around the recompute: inputs as the forward left them, buffers written into copies."""
-        check_untouched(self.versions, self.inputs, stage, microbatch,
-                        "between its checkpointed forward and the recompute")
+        check_untouched(
+            self.versions, self.inputs, stage, microbatch, "between its checkpointed forward and the recompute"
+        )
         originals = [mod._buffers[name] for mod, name in self.written]
         try:
             for (mod, name), b in zip(self.written, originals):

@@ -37,8 +37,9 @@ class WeightWork:
 
     __slots__ = ("groups", "params", "keep")
 
-    def __init__(self, groups: list[tuple[list[Any], list[Tensor], list[int]]], params: Sequence[Tensor],
-                 keep: Any) -> None:
+    def __init__(
+        self, groups: list[tuple[list[Any], list[Tensor], list[int]]], params: Sequence[Tensor], keep: Any
+    ) -> None:
         self.groups = groups  # (roots, root grads, indices into params)
         self.params = list(params)
         self.keep = keep  # outputs and retained graph, alive until W
@@ -106,6 +107,7 @@ def backward_inputs(
     recorded: dict[Any, tuple[Tensor | None, ...]] = {}
     handles = []
     for n in frontier:
+
         def hook(grad_outputs: tuple[Tensor | None, ...], node: Any = n) -> None:
             recorded[node] = grad_outputs
 

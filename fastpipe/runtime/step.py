@@ -23,6 +23,7 @@ every CPU backward on the one thread that called ``backward()``::
     └──────────┘  dx1   └──────────┘
     x_s: leaf with requires_grad; f_s's graph stays inside worker s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -121,8 +122,17 @@ class StepRunner:
     as a gap in the timeline, not as work.
     """
 
-    def __init__(self, stages: Mapping[int, Stage], num_stages: int, transport: Transport, state: StepState, *,
-                 grad: bool, checkpoint: Callable[[int], bool], loss: LossSpec | None) -> None:
+    def __init__(
+        self,
+        stages: Mapping[int, Stage],
+        num_stages: int,
+        transport: Transport,
+        state: StepState,
+        *,
+        grad: bool,
+        checkpoint: Callable[[int], bool],
+        loss: LossSpec | None,
+    ) -> None:
         self.stages = stages  # the stages this process runs, by index
         self.transport = transport
         self.state = state
@@ -220,8 +230,7 @@ class StepRunner:
         else:
             # Under checkpointing the output has no graph yet, but its recompute will: the
             # consumer must still ask for its input gradient.
-            flags = [self.grad and _differentiable(t) and (t.requires_grad or not keep_graph)
-                     for t in tensors_of(out)]
+            flags = [self.grad and _differentiable(t) and (t.requires_grad or not keep_graph) for t in tensors_of(out)]
             self.transport.send_activation(s + 1, m, out, flags)
         return started
 
@@ -301,8 +310,7 @@ class StepRunner:
                 # inside the backward (torch.utils.checkpoint in the model) saves what the
                 # forward saved; hooks see the step's sum (see param_hooks).
                 with accumulating_linears(self.stages[s].linears), hooks_set_aside(params), _streams(task):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
-                                            inputs=[*leaves, *params])
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=[*leaves, *params])
                 acc[:] = [p.grad for p in params]
             finally:
                 for p, g in zip(params, saved):

@@ -50,16 +50,23 @@ class LocalRuntime:
             :mod:`fastpipe.runtime.inline`). Tests use it to cover that path on CPU hosts.
     """
 
-    def __init__(self, stages: Sequence[Stage], recorder: Recorder | None = None, *,
-                 copy_same_device: bool = False, simulated_device_stages: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        recorder: Recorder | None = None,
+        *,
+        copy_same_device: bool = False,
+        simulated_device_stages: Iterable[int] = (),
+    ) -> None:
         self.stages = list(stages)
         self.recorder = recorder
         self.copy_same_device = copy_same_device
         simulated = frozenset(simulated_device_stages)
         outside = sorted(s for s in simulated if not 0 <= s < len(self.stages))
         if outside:
-            raise ValueError(f"fastpipe: simulated_device_stages names stages {outside} outside "
-                             f"0..{len(self.stages) - 1}")
+            raise ValueError(
+                f"fastpipe: simulated_device_stages names stages {outside} outside 0..{len(self.stages) - 1}"
+            )
         self.simulated_device_stages = simulated
         self._pool: WorkerPool | None = None
 
@@ -102,8 +109,9 @@ class LocalRuntime:
         self.execute(schedule, ("F",), step, "forward")
         return [step.results[m] for m in range(len(microbatches))], state
 
-    def backward(self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]], *,
-                 on_device_thread: bool = False) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
+    def backward(
+        self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]], *, on_device_thread: bool = False
+    ) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
         """Run the schedule's backward actions after :meth:`forward`.
 
         Args:
@@ -127,13 +135,15 @@ class LocalRuntime:
         step = self._step(state, grad=True, checkpoint=lambda m: False, loss=None)
         step.post_output_grads(grad_outputs)
         try:
-            inline = inline_workers(state.schedule, [st.device for st in self.stages], on_device_thread,
-                                    self.simulated_device_stages)
+            inline = inline_workers(
+                state.schedule, [st.device for st in self.stages], on_device_thread, self.simulated_device_stages
+            )
             self.execute(state.schedule, ("BW", "B", "W"), step, "backward", inline)
         finally:
             state.tasks.clear()
-        return [step.input_grads[m] for m in range(len(grad_outputs))], [step.param_grads[s] for s in
-                                                                          range(len(self.stages))]
+        return [step.input_grads[m] for m in range(len(grad_outputs))], [
+            step.param_grads[s] for s in range(len(self.stages))
+        ]
 
     def train(
         self,
@@ -162,13 +172,27 @@ class LocalRuntime:
         losses = [step.results[m] for m in range(len(microbatches))]
         return losses, [step.param_grads[s] for s in range(len(self.stages))]  # type: ignore[return-value]
 
-    def _step(self, state: StepState, *, grad: bool, checkpoint: Callable[[int], bool],
-              loss: LossSpec | None) -> StepRunner:
-        return StepRunner(dict(enumerate(self.stages)), len(self.stages), self.transport(), state, grad=grad,
-                          checkpoint=checkpoint, loss=loss)
+    def _step(
+        self, state: StepState, *, grad: bool, checkpoint: Callable[[int], bool], loss: LossSpec | None
+    ) -> StepRunner:
+        return StepRunner(
+            dict(enumerate(self.stages)),
+            len(self.stages),
+            self.transport(),
+            state,
+            grad=grad,
+            checkpoint=checkpoint,
+            loss=loss,
+        )
 
-    def execute(self, schedule: Schedule, kinds: tuple[str, ...], step: StepRunner, phase: str,
-                inline: frozenset[int] = frozenset()) -> None:
+    def execute(
+        self,
+        schedule: Schedule,
+        kinds: tuple[str, ...],
+        step: StepRunner,
+        phase: str,
+        inline: frozenset[int] = frozenset(),
+    ) -> None:
         """Run the ``kinds`` actions of every worker with ``step``'s handlers, one thread per worker.
 
         Args:
@@ -198,8 +222,9 @@ class LocalRuntime:
                 raise
             except BaseException as exc:
                 raise annotate(
-                    exc, f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
-                    f"({phase}, action {action})"
+                    exc,
+                    f"fastpipe: raised in stage {action.stage}, micro-batch {action.microbatch} "
+                    f"({phase}, action {action})",
                 ) from None
             if recorder is not None:
                 recorder(worker, str(action), start, time.perf_counter())
@@ -230,5 +255,3 @@ class LocalRuntime:
             except BaseException as exc:  # noqa: BLE001 - reported like a worker's, re-raised by wait()
                 running.report(exc)
         running.wait()
-
-

@@ -148,8 +148,9 @@ class Watchdog:
             raise self.broken(exc, what, peer) from None
 
     def _late(self, what: str, peer: str) -> PipelineError:
-        return self.fail(f"{peer} did not deliver {what} within {self.timeout:g} s (dead or hung); "
-                         f"seen from rank {self.rank}")
+        return self.fail(
+            f"{peer} did not deliver {what} within {self.timeout:g} s (dead or hung); seen from rank {self.rank}"
+        )
 
     def broken(self, exc: BaseException, what: str, peer: str) -> PipelineError:
         """The error for a wait on ``what`` that raised ``exc`` (a timeout, or a lost peer)."""
@@ -175,8 +176,9 @@ class SendReaper:
         what: the works, for messages: "<what> rank <r> did not complete".
     """
 
-    def __init__(self, timeout: float, poll: bool = False, device: torch.device | None = None,
-                 what: str = "a send from") -> None:
+    def __init__(
+        self, timeout: float, poll: bool = False, device: torch.device | None = None, what: str = "a send from"
+    ) -> None:
         self.timeout = timeout
         self.poll = poll  # NCCL: wait() would not block the host; poll is_completed() instead
         self.device = device if device is not None and device.type == "cuda" else None

@@ -81,8 +81,7 @@ def fusable_linears(module: nn.Module, params: Sequence[Tensor]) -> list[nn.Line
     carry an instance-level ``forward``.
     """
     ids = {id(p) for p in params}
-    return [m for m in module.modules()
-            if type(m) is nn.Linear and id(m.weight) in ids and "forward" not in m.__dict__]
+    return [m for m in module.modules() if type(m) is nn.Linear and id(m.weight) in ids and "forward" not in m.__dict__]
 
 
 def _fusable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

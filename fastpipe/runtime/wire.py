@@ -35,17 +35,19 @@ def pack(meta: list[Any]) -> Tensor:
     """The fixed-size header tensor (uint8, CPU) for ``meta``."""
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     if len(blob) > HEADER - 4:
-        raise ValueError(f"fastpipe: the non-tensor items of a stage output pickle to {len(blob)} bytes; "
-                         f"at most {HEADER - 4} fit in a header (pass big objects as tensors)")
+        raise ValueError(
+            f"fastpipe: the non-tensor items of a stage output pickle to {len(blob)} bytes; "
+            f"at most {HEADER - 4} fit in a header (pass big objects as tensors)"
+        )
     head = bytearray(HEADER)
     head[:4] = len(blob).to_bytes(4, "little")
-    head[4:4 + len(blob)] = blob
+    head[4 : 4 + len(blob)] = blob
     return torch.frombuffer(head, dtype=torch.uint8)
 
 
 def unpack(header: Tensor) -> list[Any]:
     raw = header.cpu().numpy().tobytes()
-    meta: list[Any] = pickle.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+    meta: list[Any] = pickle.loads(raw[4 : 4 + int.from_bytes(raw[:4], "little")])
     return meta
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallerState", "Phase", "WorkerPool", "live_worker_threads", "make_current", "recomputing",
-           "is_recomputing"]
+__all__ = ["CallerState", "Phase", "WorkerPool", "live_worker_threads", "make_current", "recomputing", "is_recomputing"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _live = 0
@@ -79,8 +78,13 @@ class CallerState:
         autocast = tuple(
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in _AUTOCAST_TYPES
         )
-        return CallerState(torch.is_grad_enabled(), autocast, torch.is_autocast_cache_enabled(),
-                           torch.get_default_device(), _custom_streams())
+        return CallerState(
+            torch.is_grad_enabled(),
+            autocast,
+            torch.is_autocast_cache_enabled(),
+            torch.get_default_device(),
+            _custom_streams(),
+        )
 
     @contextlib.contextmanager
     def enter(self, grad_enabled: bool | None = None) -> Iterator[None]:

@@ -176,7 +176,6 @@ def build_for(name: str, num_stages: int, num_workers: int, microbatches: int) -
         return build(name, stages=num_workers, microbatches=microbatches)
     if name != "interleaved":
         raise ScheduleError(
-            f"{num_stages} stages on {num_workers} workers need schedule='interleaved' (virtual stages); "
-            f"got {name!r}"
+            f"{num_stages} stages on {num_workers} workers need schedule='interleaved' (virtual stages); got {name!r}"
         )
     return build(name, stages=num_workers, microbatches=microbatches, virtual_stages=virtual)

@@ -160,13 +160,13 @@ class Schedule:
         last = self.num_stages - 1
         if kind == "U":
             size = self.minibatch_size
-            done = [Action("W" if (s, i) in self.split_pairs else "BW", s, i)
-                    for i in range(m * size, (m + 1) * size)]
+            done = [Action("W" if (s, i) in self.split_pairs else "BW", s, i) for i in range(m * size, (m + 1) * size)]
             return done + ([Action("U", s, m - 1)] if m > 0 else [])
         if kind == "F":
             flushed = (
                 [Action("U", s, m // self.minibatch_size - 1)]
-                if self.minibatch_size and self.flush and m >= self.minibatch_size else []
+                if self.minibatch_size and self.flush and m >= self.minibatch_size
+                else []
             )
             if s == 0:
                 return flushed
@@ -329,12 +329,13 @@ class Schedule:
         width = max([len(c) for row in cells for c in row] + [2])
         slots = max([len(row) for row in cells] + [0])
         head = (
-            f"{self.name}: {self.num_workers} workers, {self.num_stages} stages, "
-            f"{self.num_microbatches} micro-batches"
+            f"{self.name}: {self.num_workers} workers, {self.num_stages} stages, {self.num_microbatches} micro-batches"
         )
         if self.minibatch_size:
-            head += (f" in {self.num_minibatches} mini-batches of {self.minibatch_size}, "
-                     f"{'flushed' if self.flush else 'no flush'}")
+            head += (
+                f" in {self.num_minibatches} mini-batches of {self.minibatch_size}, "
+                f"{'flushed' if self.flush else 'no flush'}"
+            )
         lines = [head, "slot      " + " ".join(f"{i:>{width}}" for i in range(slots))]
         for w, row in enumerate(cells):
             lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))

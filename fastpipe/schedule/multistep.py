@@ -37,8 +37,9 @@ __all__ = ["build_multistep", "update_lag", "weight_versions", "steady_state_tim
 
 
 @functools.lru_cache(maxsize=64)
-def build_multistep(stages: int, microbatches: int, minibatches: int, flush: bool = False,
-                 workers: int | None = None) -> Schedule:
+def build_multistep(
+    stages: int, microbatches: int, minibatches: int, flush: bool = False, workers: int | None = None
+) -> Schedule:
     """A 1F1B multi-step schedule of ``minibatches`` mini-batches of ``microbatches`` micro-batches each.
 
     Args:
@@ -60,8 +61,12 @@ def build_multistep(stages: int, microbatches: int, minibatches: int, flush: boo
         ScheduleError: an argument is not a positive integer, the stages do not spread
             evenly over the workers, or the interleaved constraint fails.
     """
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("minibatches", minibatches),
-                        ("workers", stages if workers is None else workers)):
+    for name, value in (
+        ("stages", stages),
+        ("microbatches", microbatches),
+        ("minibatches", minibatches),
+        ("workers", stages if workers is None else workers),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
     k = stages if workers is None else workers
@@ -78,8 +83,11 @@ def build_multistep(stages: int, microbatches: int, minibatches: int, flush: boo
     one = build_for(kind, stages, k, ordered).workers
     out_workers = []
     for w in range(k):
-        actions = ([Action(x.kind, x.stage, x.microbatch + n * m) for n in range(minibatches) for x in one[w]]
-                   if flush else one[w])
+        actions = (
+            [Action(x.kind, x.stage, x.microbatch + n * m) for n in range(minibatches) for x in one[w]]
+            if flush
+            else one[w]
+        )
         out: list[Action] = []
         done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its backwards run so far
         for a in actions:
@@ -91,8 +99,15 @@ def build_multistep(stages: int, microbatches: int, minibatches: int, flush: boo
                     out.append(Action("U", a.stage, a.microbatch // m))
         out_workers.append(out)
     label = "1f1b" if kind == "1f1b" else "interleaved"
-    schedule = Schedule(f"{label}-flush" if flush else f"{label}-async", stages, m * minibatches, k,
-                        tuple(tuple(w) for w in out_workers), minibatch_size=m, flush=flush)
+    schedule = Schedule(
+        f"{label}-flush" if flush else f"{label}-async",
+        stages,
+        m * minibatches,
+        k,
+        tuple(tuple(w) for w in out_workers),
+        minibatch_size=m,
+        flush=flush,
+    )
     schedule.validate()
     return schedule
 
@@ -170,15 +185,18 @@ def weight_versions(schedule: Schedule) -> dict[str, list[int]]:
     return {"sync": zeros, "stale": list(zeros), **peaks}
 
 
-def steady_state_time(stages: int, microbatches: int, flush: bool, forward: float = 1.0,
-                      backward: float = 2.0, minibatches: int = 16) -> float:
+def steady_state_time(
+    stages: int, microbatches: int, flush: bool, forward: float = 1.0, backward: float = 2.0, minibatches: int = 16
+) -> float:
     """Simulated time per mini-batch in steady state (the fill and drain of the schedule excluded).
 
     It is the slope of the makespan over the number of mini-batches: (T(2N) - T(N)) / N.
     """
+
     def makespan(n: int) -> float:
-        times = simulate_times(build_multistep(stages, microbatches, n, flush), forward=forward,
-                               backward=backward, weight=0.0)
+        times = simulate_times(
+            build_multistep(stages, microbatches, n, flush), forward=forward, backward=backward, weight=0.0
+        )
         return max(end for _, _, end in times.values())
 
     return (makespan(2 * minibatches) - makespan(minibatches)) / minibatches

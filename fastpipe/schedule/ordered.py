@@ -126,14 +126,18 @@ def _split(steps: tuple[Step, ...]) -> list[Step]:
 def format_plan(schedule: Schedule) -> str:
     """Every worker's plan on one line, batches in brackets (``s``/``r``: send/receive)::
 
-        worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 ...
+    worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 ...
     """
+
     def op(o: Op) -> str:
         return f"{'s' if o.send else 'r'}{o.message.kind}{o.message.stage}/{o.message.microbatch}"
 
     return "\n".join(
-        f"worker {w}: " + " ".join(str(st.action) if st.action is not None else f"[{','.join(op(o) for o in st.ops)}]"
-                                   for st in plan(schedule, w))
+        f"worker {w}: "
+        + " ".join(
+            str(st.action) if st.action is not None else f"[{','.join(op(o) for o in st.ops)}]"
+            for st in plan(schedule, w)
+        )
         for w in range(schedule.num_workers)
     )
 
@@ -160,8 +164,10 @@ def _plans(schedule: Schedule) -> tuple[tuple[Step, ...], ...]:
                 pc[w] += 1
         if not any(produced) and pc == before:
             stuck = [str(schedule.workers[w][pc[w]]) for w in workers if pc[w] < len(schedule.workers[w])]
-            raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {', '.join(stuck)} wait for inputs "
-                                "that no action produces first")
+            raise ScheduleError(
+                f"schedule {schedule.name!r} deadlocks: {', '.join(stuck)} wait for inputs "
+                "that no action produces first"
+            )
         ops: list[list[Op]] = [[] for _ in workers]
         for w in workers:  # sends first, in the order produced; receives in each sender's order
             ops[w] += [Op(True, msg, w, dst) for msg, dst in produced[w]]
@@ -205,8 +211,9 @@ def _check_placement(schedule: Schedule, programs: list[list[Step]]) -> None:
                 continue
             for op in step.ops:
                 if op.send and (op.src != w or op.message not in produced):
-                    raise ScheduleError(f"worker {w} sends {_name([op.message], 0)} before producing it "
-                                        "(or it is not its to send)")
+                    raise ScheduleError(
+                        f"worker {w} sends {_name([op.message], 0)} before producing it (or it is not its to send)"
+                    )
                 if not op.send:
                     if op.dst != w:
                         raise ScheduleError(f"worker {w} posts a receive addressed to worker {op.dst}")
@@ -279,11 +286,16 @@ def _check_progress(schedule: Schedule, programs: list[list[Step]]) -> None:
                     break
                 finished[w] += 1
                 progress = True
-    stuck = [_stuck(w, programs[w], pc[w], stream[w], finished[w]) for w in range(len(programs))
-             if pc[w] < len(programs[w]) or finished[w] < len(stream[w])]
+    stuck = [
+        _stuck(w, programs[w], pc[w], stream[w], finished[w])
+        for w in range(len(programs))
+        if pc[w] < len(programs[w]) or finished[w] < len(stream[w])
+    ]
     if stuck:
-        raise ScheduleError(f"schedule {schedule.name!r} can deadlock on a transport that matches messages by "
-                            f"order (NCCL): {'; '.join(stuck)}")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} can deadlock on a transport that matches messages by "
+            f"order (NCCL): {'; '.join(stuck)}"
+        )
 
 
 def _stuck(w: int, program: list[Step], pc: int, stream: list[tuple[Op, ...]], finished: int) -> str:

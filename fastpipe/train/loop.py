@@ -29,9 +29,16 @@ StepRunner = Callable[..., Tensor]  # (pipe, x, y, loss_fn, trace) -> loss; see 
 Batches = Iterable[tuple[Tensor, Tensor]]
 
 
-def sync_losses(pipe: nn.Module, optimizer: torch.optim.Optimizer, runner: StepRunner, loss_fn: Any,
-                batches: Batches, start: int, lr_at: Callable[[int], float],
-                autocast: Callable[[], Any]) -> Iterator[Tensor]:
+def sync_losses(
+    pipe: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    runner: StepRunner,
+    loss_fn: Any,
+    batches: Batches,
+    start: int,
+    lr_at: Callable[[int], float],
+    autocast: Callable[[], Any],
+) -> Iterator[Tensor]:
     """One loss per batch: set step ``start + i``'s learning rate, run the step, update."""
     for step, (x, y) in enumerate(batches, start):
         for group in optimizer.param_groups:
@@ -43,8 +50,9 @@ def sync_losses(pipe: nn.Module, optimizer: torch.optim.Optimizer, runner: StepR
         yield loss
 
 
-def step_scheduler(optimizer: torch.optim.Optimizer, start: int,
-                   lr_at: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR:
+def step_scheduler(
+    optimizer: torch.optim.Optimizer, start: int, lr_at: Callable[[int], float]
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A scheduler whose ``k``-th learning rate is ``lr_at(start + k)``, bit for bit.
 
     LambdaLR multiplies each group's ``initial_lr`` by the factor, so ``initial_lr`` is set
@@ -68,9 +76,18 @@ def fit_losses(run: FitRun, autocast: Callable[[], Any]) -> Iterator[Tensor]:
         yield loss
 
 
-def traced_window(pipe: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batches: Batches, *,
-                  consistency: str, window: int, start: int, lr_at: Callable[[int], float],
-                  context: Callable[[], Any]) -> tuple[Timeline, dict[int, int]]:
+def traced_window(
+    pipe: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    batches: Batches,
+    *,
+    consistency: str,
+    window: int,
+    start: int,
+    lr_at: Callable[[int], float],
+    context: Callable[[], Any],
+) -> tuple[Timeline, dict[int, int]]:
     """One traced window of ``fit`` on ``batches`` whose updates are then undone.
 
     The weights and the optimizer state are restored afterwards, so the report's timeline
@@ -82,8 +99,16 @@ def traced_window(pipe: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
     weights = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
     state = copy.deepcopy(optimizer.state_dict())
     try:
-        run = fit(pipe, batches, loss_fn, optimizer, consistency=consistency,
-                  scheduler=step_scheduler(optimizer, start, lr_at), window=window, trace=True)
+        run = fit(
+            pipe,
+            batches,
+            loss_fn,
+            optimizer,
+            consistency=consistency,
+            scheduler=step_scheduler(optimizer, start, lr_at),
+            window=window,
+            trace=True,
+        )
         with context():
             for _ in run:
                 pass

@@ -82,8 +82,7 @@ class ActivationMeter:
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         self._stages = list(stages)
-        self._counters = [_StageCounter({p.untyped_storage().data_ptr() for p in s.parameters()})
-                          for s in self._stages]
+        self._counters = [_StageCounter({p.untyped_storage().data_ptr() for p in s.parameters()}) for s in self._stages]
         self._handles: list[Any] = []
         self._active = threading.local()
 

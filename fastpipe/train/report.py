@@ -12,8 +12,21 @@ from fastpipe.trace import Timeline
 
 __all__ = ["write_report", "REPORT_KEYS"]
 
-REPORT_KEYS = ("settings", "steps", "history", "val_loss", "unigram_entropy", "tokens_per_s", "bubble",
-               "memory", "sample", "corpus", "devices", "parameters", "files")
+REPORT_KEYS = (
+    "settings",
+    "steps",
+    "history",
+    "val_loss",
+    "unigram_entropy",
+    "tokens_per_s",
+    "bubble",
+    "memory",
+    "sample",
+    "corpus",
+    "devices",
+    "parameters",
+    "files",
+)
 
 
 def _plot_loss(path: str, history: list[float], start_step: int, val_loss: float, unigram: float) -> None:
@@ -38,10 +51,27 @@ def _plot_loss(path: str, history: list[float], start_step: int, val_loss: float
     plt.close(fig)
 
 
-def write_report(out: str, *, settings: dict[str, Any], history: list[float], start_step: int, val_loss: float,
-                 unigram: float, tokens_per_s: float | None, timeline: Timeline, traced: str,
-                 schedule: str | Schedule, workers: int, microbatches: int, virtual: int, memory: dict[str, Any],
-                 sample: str, corpus: dict[str, Any], devices: list[str], parameters: int) -> dict[str, Any]:
+def write_report(
+    out: str,
+    *,
+    settings: dict[str, Any],
+    history: list[float],
+    start_step: int,
+    val_loss: float,
+    unigram: float,
+    tokens_per_s: float | None,
+    timeline: Timeline,
+    traced: str,
+    schedule: str | Schedule,
+    workers: int,
+    microbatches: int,
+    virtual: int,
+    memory: dict[str, Any],
+    sample: str,
+    corpus: dict[str, Any],
+    devices: list[str],
+    parameters: int,
+) -> dict[str, Any]:
     """Prints the summary and writes ``report.json``, ``loss.png``, ``timeline.png`` and ``trace.json``.
 
     ``timeline`` is the traced extra step, ``traced`` says in words what it ran, and
@@ -52,16 +82,34 @@ def write_report(out: str, *, settings: dict[str, Any], history: list[float], st
     os.makedirs(out, exist_ok=True)
     files = {name: os.path.join(out, name) for name in ("report.json", "loss.png", "timeline.png", "trace.json")}
     simulated = simulate_measured(timeline, schedule, workers, microbatches, virtual)
-    bubble: dict[str, Any] = {"timeline": traced, "measured": timeline.bubble_fraction,
-                              "simulated": simulated.bubble_fraction, "measured_step_s": timeline.makespan,
-                              "simulated_step_s": simulated.makespan}
-    report = {"settings": settings, "steps": len(history), "history": history, "val_loss": val_loss,
-              "unigram_entropy": unigram, "tokens_per_s": tokens_per_s, "bubble": bubble, "memory": memory,
-              "sample": sample, "corpus": corpus, "devices": devices, "parameters": parameters, "files": files}
+    bubble: dict[str, Any] = {
+        "timeline": traced,
+        "measured": timeline.bubble_fraction,
+        "simulated": simulated.bubble_fraction,
+        "measured_step_s": timeline.makespan,
+        "simulated_step_s": simulated.makespan,
+    }
+    report = {
+        "settings": settings,
+        "steps": len(history),
+        "history": history,
+        "val_loss": val_loss,
+        "unigram_entropy": unigram,
+        "tokens_per_s": tokens_per_s,
+        "bubble": bubble,
+        "memory": memory,
+        "sample": sample,
+        "corpus": corpus,
+        "devices": devices,
+        "parameters": parameters,
+        "files": files,
+    }
     timeline.to_chrome_trace(files["trace.json"])
     try:
-        timeline.plot(files["timeline.png"], title=f"fastpipe train: {traced}, {workers} workers "
-                      f"(measured bubble {bubble['measured']:.1%})")
+        timeline.plot(
+            files["timeline.png"],
+            title=f"fastpipe train: {traced}, {workers} workers (measured bubble {bubble['measured']:.1%})",
+        )
         _plot_loss(files["loss.png"], history, start_step, val_loss, unigram)
     except ImportError:
         files = {k: v for k, v in files.items() if not k.endswith(".png")}
@@ -74,18 +122,24 @@ def write_report(out: str, *, settings: dict[str, Any], history: list[float], st
     print(f"\nfastpipe train: {parameters / 1e6:.2f}M parameters, {settings['schedule']} on {devices}")
     if tokens_per_s is not None:
         print(f"  throughput         {tokens_per_s:,.0f} tokens/s")
-    print(f"  bubble             measured {bubble['measured']:.1%}, simulated from the measured costs "
-          f"{bubble['simulated']:.1%} ({bubble['measured_step_s'] * 1e3:.0f} ms vs "
-          f"{bubble['simulated_step_s'] * 1e3:.0f} ms) over {traced}")
+    print(
+        f"  bubble             measured {bubble['measured']:.1%}, simulated from the measured costs "
+        f"{bubble['simulated']:.1%} ({bubble['measured_step_s'] * 1e3:.0f} ms vs "
+        f"{bubble['simulated_step_s'] * 1e3:.0f} ms) over {traced}"
+    )
     print("  activations kept   " + ", ".join(f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(peak)))
     if "weight_copy_bytes_per_stage" in memory:
-        print("  weight copies      " + ", ".join(
-            f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(memory["weight_copy_bytes_per_stage"])))
+        print(
+            "  weight copies      "
+            + ", ".join(f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(memory["weight_copy_bytes_per_stage"]))
+        )
     for device, b in memory.get("max_memory_allocated_per_device", {}).items():
         print(f"  max allocated      {device}: {b / 2**30:.2f} GiB")
     verdict = "below" if val_loss < unigram else "NOT below"
-    print(f"  validation loss    {val_loss:.3f} nats/char, {verdict} the unigram entropy {unigram:.3f} "
-          f"({val_loss / unigram:.0%} of it)")
+    print(
+        f"  validation loss    {val_loss:.3f} nats/char, {verdict} the unigram entropy {unigram:.3f} "
+        f"({val_loss / unigram:.0%} of it)"
+    )
     print("  sample:\n" + "\n".join("    | " + line for line in sample.splitlines()))
     print(f"  files: {', '.join(files.values())}")
     return report

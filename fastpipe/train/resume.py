@@ -31,8 +31,7 @@ RUN_FORMAT = "fastpipe-train/1"
 _RECORD = "run.pt"
 
 
-def save_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-             record: dict[str, Any]) -> str:
+def save_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer, step: int, record: dict[str, Any]) -> str:
     """Writes the state after ``step`` optimizer steps; returns the model file's path.
 
     ``record`` (history, configuration) is stored beside ``step`` in the commit record.
@@ -73,5 +72,8 @@ def check_compatible(saved: dict[str, Any], now: dict[str, Any], keys: tuple[str
     """
     diffs = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
     if diffs:
-        raise ValueError("--resume: the run was saved with other settings, which would change its loss curve ("
-                         + "; ".join(diffs) + "); pass the saved values")
+        raise ValueError(
+            "--resume: the run was saved with other settings, which would change its loss curve ("
+            + "; ".join(diffs)
+            + "); pass the saved values"
+        )

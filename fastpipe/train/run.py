@@ -60,8 +60,19 @@ DEFAULT_CONSISTENCY = "predict"
 DEFAULT_WINDOW = 10
 
 # Settings that change the loss curve: a resumed run must keep them.
-_CURVE_KEYS = ("model", "batch", "chunks", "stages", "schedule", "checkpoint", "seed", "lr", "warmup",
-               "consistency", "window")
+_CURVE_KEYS = (
+    "model",
+    "batch",
+    "chunks",
+    "stages",
+    "schedule",
+    "checkpoint",
+    "seed",
+    "lr",
+    "warmup",
+    "consistency",
+    "window",
+)
 
 
 class TrainError(ValueError):
@@ -70,20 +81,38 @@ class TrainError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``fastpipe train`` flags."""
-    p.add_argument("--schedule", default="1f1b", choices=[*STEP_RUNNERS, ASYNC],
-                   help=f"pipeline schedule; {ASYNC}: mini-batches stream without a flush and each stage updates "
-                        "its weights as soon as it has its gradient (XPipe), through fastpipe.asynchronous.fit")
-    p.add_argument("--consistency", default=None, choices=POLICIES,
-                   help=f"with --schedule {ASYNC}: which weights a micro-batch runs on (default "
-                        f"{DEFAULT_CONSISTENCY}: XPipe weight prediction; sync flushes every mini-batch)")
-    p.add_argument("--window", type=int, default=None, metavar="N",
-                   help=f"with --schedule {ASYNC}: mini-batches between pipeline drains, the only exact save "
-                        f"points (default {DEFAULT_WINDOW})")
-    p.add_argument("--stages", type=int, default=None,
-                   help="pipeline workers (default: one per visible GPU, else 2 CPU stages)")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=[*STEP_RUNNERS, ASYNC],
+        help=f"pipeline schedule; {ASYNC}: mini-batches stream without a flush and each stage updates "
+        "its weights as soon as it has its gradient (XPipe), through fastpipe.asynchronous.fit",
+    )
+    p.add_argument(
+        "--consistency",
+        default=None,
+        choices=POLICIES,
+        help=f"with --schedule {ASYNC}: which weights a micro-batch runs on (default "
+        f"{DEFAULT_CONSISTENCY}: XPipe weight prediction; sync flushes every mini-batch)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --schedule {ASYNC}: mini-batches between pipeline drains, the only exact save "
+        f"points (default {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--stages", type=int, default=None, help="pipeline workers (default: one per visible GPU, else 2 CPU stages)"
+    )
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--checkpoint", default="never", choices=CHECKPOINT_MODES,
-                   help="recompute activations in backward instead of keeping them")
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=CHECKPOINT_MODES,
+        help="recompute activations in backward instead of keeping them",
+    )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run stops here too)")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
@@ -96,13 +125,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the batches and dropout")
     p.add_argument("--out", default="fastpipe-train", help="folder for the report, plots and trace")
     p.add_argument("--save", default=None, metavar="DIR", help="save a resumable checkpoint here")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="also save every N steps (0: only at the end)")
+    p.add_argument(
+        "--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: only at the end)"
+    )
     p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     p.add_argument("--sample-chars", type=int, default=240, help="characters of sampled text")
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="read the .py files of DIR instead of the standard library")
+    p.add_argument(
+        "--data", default=None, metavar="DIR", help="read the .py files of DIR instead of the standard library"
+    )
     p.add_argument("--max-chars", type=int, default=None, help="read at most this many training characters")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -119,15 +150,20 @@ def _check(args: argparse.Namespace, layers: int, virtual: int) -> None:
         if value is not None and value < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.chunks > args.batch:
-        raise TrainError(f"--chunks {args.chunks} is more than --batch {args.batch}: each micro-batch needs at "
-                         "least one sequence; lower --chunks or raise --batch")
+        raise TrainError(
+            f"--chunks {args.chunks} is more than --batch {args.batch}: each micro-batch needs at "
+            "least one sequence; lower --chunks or raise --batch"
+        )
     if args.stages * virtual > layers:
-        raise TrainError(f"--stages {args.stages} with schedule {args.schedule!r} needs {args.stages * virtual} "
-                         f"pipeline stages but the model has {layers} transformer blocks; raise --layers to at least "
-                         f"{args.stages * virtual} or lower --stages")
+        raise TrainError(
+            f"--stages {args.stages} with schedule {args.schedule!r} needs {args.stages * virtual} "
+            f"pipeline stages but the model has {layers} transformer blocks; raise --layers to at least "
+            f"{args.stages * virtual} or lower --stages"
+        )
     if args.schedule == "interleaved" and args.chunks % args.stages:
-        raise TrainError(f"--schedule interleaved needs --chunks to be a multiple of --stages ({args.stages}); "
-                         f"got {args.chunks}")
+        raise TrainError(
+            f"--schedule interleaved needs --chunks to be a multiple of --stages ({args.stages}); got {args.chunks}"
+        )
     if args.dim % args.heads:
         raise TrainError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if not 0.0 <= args.dropout < 1.0:
@@ -144,8 +180,10 @@ def _check_async(args: argparse.Namespace) -> None:
     if args.schedule != ASYNC:
         for flag, value in (("--consistency", args.consistency), ("--window", args.window)):
             if value is not None:
-                raise TrainError(f"{flag} applies to --schedule {ASYNC} only (the synchronous schedules flush "
-                                 f"every step); drop it or pass --schedule {ASYNC}")
+                raise TrainError(
+                    f"{flag} applies to --schedule {ASYNC} only (the synchronous schedules flush "
+                    f"every step); drop it or pass --schedule {ASYNC}"
+                )
         return
     args.consistency = args.consistency or DEFAULT_CONSISTENCY
     args.window = DEFAULT_WINDOW if args.window is None else args.window
@@ -153,12 +191,16 @@ def _check_async(args: argparse.Namespace) -> None:
         raise TrainError(f"--window must be >= 1 (mini-batches between drains), got {args.window}")
     # Only a drained point is exact, and only the uninterrupted run's drains continue the same curve.
     if args.save_every % args.window:
-        raise TrainError(f"--save-every {args.save_every} is not a multiple of --window {args.window}: "
-                         f"--schedule {ASYNC} can save only where the pipeline drains, every --window steps")
+        raise TrainError(
+            f"--save-every {args.save_every} is not a multiple of --window {args.window}: "
+            f"--schedule {ASYNC} can save only where the pipeline drains, every --window steps"
+        )
     if args.save and args.steps % args.window:
-        raise TrainError(f"--save with --schedule {ASYNC} needs --steps to be a multiple of --window "
-                         f"{args.window} (got {args.steps}): the final save must be a window boundary for a "
-                         "resumed run to continue exactly")
+        raise TrainError(
+            f"--save with --schedule {ASYNC} needs --steps to be a multiple of --window "
+            f"{args.window} (got {args.steps}): the final save must be a window boundary for a "
+            "resumed run to continue exactly"
+        )
 
 
 def _balance(layers: int, stages: int) -> list[int]:
@@ -193,12 +235,19 @@ def sample_text(pipe: Pipe, head: LMHead, prompt: str, chars: int, seq_len: int,
             ids = torch.cat([ids, nxt], dim=1)
     finally:
         pipe.train(was_training)
-    return prompt + decode(ids[0, len(prompt):])
+    return prompt + decode(ids[0, len(prompt) :])
 
 
 @torch.no_grad()
-def evaluate(pipe: Pipe, loss_fn: LMLoss, corpus: Corpus, args: argparse.Namespace, autocast: Any,
-             first: torch.device, last: torch.device) -> float:
+def evaluate(
+    pipe: Pipe,
+    loss_fn: LMLoss,
+    corpus: Corpus,
+    args: argparse.Namespace,
+    autocast: Any,
+    first: torch.device,
+    last: torch.device,
+) -> float:
     """Mean validation loss over ``--eval-batches`` fixed batches (the same for every run)."""
     pipe.eval()
     total = 0.0
@@ -232,16 +281,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     corpus = load_corpus(args.data, max_chars=args.max_chars)
     cfg = GPTConfig(VOCAB, args.seq_len, layers, args.dim, args.heads, args.dropout)
     # The asynchronous stream is 1F1B's order without the flush.
-    pipe = Pipe(build_gpt(cfg, args.seed), balance=_balance(layers, args.stages * virtual), devices=devices,
-                chunks=args.chunks, checkpoint=args.checkpoint, virtual_stages=virtual,
-                schedule="1f1b" if runner is None else args.schedule)
+    pipe = Pipe(
+        build_gpt(cfg, args.seed),
+        balance=_balance(layers, args.stages * virtual),
+        devices=devices,
+        chunks=args.chunks,
+        checkpoint=args.checkpoint,
+        virtual_stages=virtual,
+        schedule="1f1b" if runner is None else args.schedule,
+    )
     head = pipe[len(pipe) - 1]
     assert isinstance(head, LMHead)
     loss_fn = LMLoss(head)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    settings = {"model": cfg.to_dict(), "batch": args.batch, "chunks": args.chunks, "stages": args.stages,
-                "schedule": args.schedule, "checkpoint": args.checkpoint, "seed": args.seed, "lr": args.lr,
-                "warmup": args.warmup}
+    settings = {
+        "model": cfg.to_dict(),
+        "batch": args.batch,
+        "chunks": args.chunks,
+        "stages": args.stages,
+        "schedule": args.schedule,
+        "checkpoint": args.checkpoint,
+        "seed": args.seed,
+        "lr": args.lr,
+        "warmup": args.warmup,
+    }
     if runner is None:
         settings.update(consistency=args.consistency, window=args.window)
     history: list[float] = []
@@ -268,8 +331,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     fit_run = None
     if runner is None:
-        fit_run = fit(pipe, batches(start_step, args.steps), loss_fn, opt, consistency=args.consistency,
-                      scheduler=step_scheduler(opt, start_step, lr), window=args.window, trace=False)
+        fit_run = fit(
+            pipe,
+            batches(start_step, args.steps),
+            loss_fn,
+            opt,
+            consistency=args.consistency,
+            scheduler=step_scheduler(opt, start_step, lr),
+            window=args.window,
+            trace=False,
+        )
         losses = fit_losses(fit_run, autocast)
     else:
         losses = sync_losses(pipe, opt, runner, loss_fn, batches(start_step, args.steps), start_step, lr, autocast)
@@ -278,8 +349,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm = args.window if runner is None else 1
     from tqdm import tqdm
 
-    bar = tqdm(range(start_step, args.steps), desc="fastpipe train", unit="step", initial=start_step,
-               total=args.steps, disable=args.no_progress, file=sys.stderr)
+    bar = tqdm(
+        range(start_step, args.steps),
+        desc="fastpipe train",
+        unit="step",
+        initial=start_step,
+        total=args.steps,
+        disable=args.no_progress,
+        file=sys.stderr,
+    )
     timed, timed_steps = 0.0, 0
     for step in bar:
         t0 = time.perf_counter()
@@ -307,14 +385,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if runner is None:
         traced = f"one window of {args.window} mini-batches, {ASYNC}/{args.consistency} (1F1B stream)"
         simulated: Any = build_multistep(args.stages, args.chunks, args.window, flush=args.consistency == "sync")
-        timeline, copies = traced_window(pipe, opt, loss_fn, batches(args.steps, args.steps + args.window),
-                                         consistency=args.consistency, window=args.window, start=args.steps,
-                                         lr_at=lr, context=lambda: _both(meter, autocast()))
+        timeline, copies = traced_window(
+            pipe,
+            opt,
+            loss_fn,
+            batches(args.steps, args.steps + args.window),
+            consistency=args.consistency,
+            window=args.window,
+            start=args.steps,
+            lr_at=lr,
+            context=lambda: _both(meter, autocast()),
+        )
         assert fit_run is not None
         # Kept at once, per stage: the predicted or stashed weight versions (also among the
         # activations above when a forward saved them for its backward).
-        memory["weight_copy_bytes_per_stage"] = [max(fit_run.weight_copy_bytes[s], copies[s])
-                                                 for s in sorted(copies)]
+        memory["weight_copy_bytes_per_stage"] = [max(fit_run.weight_copy_bytes[s], copies[s]) for s in sorted(copies)]
         memory["weight_copy_bound_per_stage"] = [fit_run.weight_copy_bound[s] for s in sorted(copies)]
     else:
         traced, simulated = f"one step of {args.schedule}", args.schedule
@@ -329,15 +414,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sample = sample_text(pipe, head, "def ", args.sample_chars, args.seq_len, args.seed)
     if gpus:
         memory["max_memory_allocated_per_device"] = {
-            str(d): torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices)}
+            str(d): torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices)
+        }
     return write_report(
-        args.out, settings=settings, history=history, start_step=start_step, val_loss=val_loss,
-        unigram=unigram_entropy(corpus.train, corpus.val), tokens_per_s=tokens * timed_steps / timed if timed else None,
-        timeline=timeline, traced=traced, schedule=simulated, workers=args.stages,
-        microbatches=min(args.chunks, args.batch), virtual=virtual, memory=memory, sample=sample,
-        corpus={"root": corpus.root, "files": corpus.files, "train_chars": len(corpus.train),
-                "val_chars": len(corpus.val)},
-        devices=[str(d) for d in devices], parameters=sum(p.numel() for p in pipe.parameters()))
+        args.out,
+        settings=settings,
+        history=history,
+        start_step=start_step,
+        val_loss=val_loss,
+        unigram=unigram_entropy(corpus.train, corpus.val),
+        tokens_per_s=tokens * timed_steps / timed if timed else None,
+        timeline=timeline,
+        traced=traced,
+        schedule=simulated,
+        workers=args.stages,
+        microbatches=min(args.chunks, args.batch),
+        virtual=virtual,
+        memory=memory,
+        sample=sample,
+        corpus={
+            "root": corpus.root,
+            "files": corpus.files,
+            "train_chars": len(corpus.train),
+            "val_chars": len(corpus.val),
+        },
+        devices=[str(d) for d in devices],
+        parameters=sum(p.numel() for p in pipe.parameters()),
+    )
 
 
 @contextlib.contextmanager

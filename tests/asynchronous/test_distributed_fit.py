@@ -31,8 +31,14 @@ class Trap(nn.Module):
 
 def model(trap: int = 0) -> nn.Sequential:
     torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         Trap(trap) if trap else nn.Identity(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        Trap(trap) if trap else nn.Identity(),
+        nn.Linear(16, 4),
+    )
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,8 +56,11 @@ def _fit(rank: int, world: int) -> dict:
     run = pipe.fit(batches, nn.MSELoss(), opt, consistency="predict", scheduler=sched, window=2)
     losses = [loss.item() for loss in run]
     pipe.close()
-    return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()},
-            "copies": run.weight_copy_bytes}
+    return {
+        "losses": losses,
+        "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+        "copies": run.weight_copy_bytes,
+    }
 
 
 def test_distributed_fit_equals_local_fit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,8 +84,14 @@ def test_distributed_fit_equals_local_fit(monkeypatch: pytest.MonkeyPatch) -> No
 
 def bn_model() -> nn.Sequential:
     torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
-                         nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.BatchNorm1d(16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16, momentum=None),
+        nn.Linear(16, 4),
+    )
 
 
 def _fit_bn(rank: int, world: int) -> dict:
@@ -179,8 +194,12 @@ def _virtual(rank: int, world: int) -> dict:
         batches = [(x if pipe.is_first else None, y if pipe.is_last else None) for x, y in data()]
         run = pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency, window=3)
         losses = [loss.item() for loss in run]
-        out[consistency] = {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()},
-                            "copies": run.weight_copy_bytes, "bound": run.weight_copy_bound}
+        out[consistency] = {
+            "losses": losses,
+            "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+            "copies": run.weight_copy_bytes,
+            "bound": run.weight_copy_bound,
+        }
         pipe.close()
     return out
 

@@ -18,8 +18,9 @@ from fastpipe.schedule import ScheduleError
 
 def model(seed: int = 3) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
 
 
 def data(n: int, batch: int = 12) -> list[tuple[Tensor, Tensor]]:
@@ -86,8 +87,9 @@ class _ProjectedMSE:
 def test_a_loss_that_reads_last_stage_weights_trains_them(consistency: str) -> None:
     def build() -> tuple[Pipe, torch.optim.Optimizer]:
         torch.manual_seed(5)
-        pipe = Pipe(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _Projection()), balance=[2, 2],
-                    chunks=2)
+        pipe = Pipe(
+            nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _Projection()), balance=[2, 2], chunks=2
+        )
         return pipe, torch.optim.Adam(pipe.parameters(), lr=1e-2)
 
     batches = data(3)
@@ -117,8 +119,11 @@ def test_sync_clips_each_stage() -> None:
             torch.nn.utils.clip_grad_norm_(part.parameters(), 0.05)
         opt.step()
     pipe = Pipe(model(), balance=[3, 4], chunks=2)
-    list(pipe.fit(batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.5), consistency="sync",
-                  max_grad_norm=0.05))
+    list(
+        pipe.fit(
+            batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.5), consistency="sync", max_grad_norm=0.05
+        )
+    )
     for p, q in zip(pipe.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
@@ -158,7 +163,8 @@ def probe_run(consistency: str, steps: int = 6) -> tuple[dict[str, list[Tensor]]
     pipe = Pipe(seq, balance=[1, 1, 2], chunks=1, checkpoint="never")
     live: list[tuple[Tensor, Tensor]] = []
     seq[0].weight.register_post_accumulate_grad_hook(
-        lambda p: live.append((p.detach().clone(), p.grad.detach().clone())))
+        lambda p: live.append((p.detach().clone(), p.grad.detach().clone()))
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
     list(pipe.fit(data(steps), nn.MSELoss(), opt, consistency=consistency, window=steps))
     return log, live
@@ -214,8 +220,11 @@ def test_predict_runs_ahead_of_the_live_weights() -> None:
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_update_direction_is_the_step_just_taken(kind: str) -> None:
     p = nn.Parameter(torch.randn(5))
-    opt = (torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01) if kind == "sgd"
-           else torch.optim.Adam([p], lr=0.1, weight_decay=0.01, amsgrad=True))
+    opt = (
+        torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
+        if kind == "sgd"
+        else torch.optim.Adam([p], lr=0.1, weight_decay=0.01, amsgrad=True)
+    )
     assert update_direction(opt, [p]) == [None]
     for i in range(3):
         before = p.detach().clone()
@@ -256,8 +265,9 @@ LAYOUTS = {  # contiguous fp32 takes fastpipe._C's one pass; the others torch's 
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.gpu) if k == "cuda" else k
-                                    for k in sorted(LAYOUTS)])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.gpu) if k == "cuda" else k for k in sorted(LAYOUTS)]
+)
 @pytest.mark.parametrize("kind", sorted(PREDICTABLE))
 def test_predict_weights_is_w_minus_total_times_direction(kind: str, layout: str) -> None:
     # The fused arithmetic against the direction it rearranges.
@@ -280,14 +290,14 @@ def _counting_predictor(calls: list[object]):  # type: ignore[no-untyped-def]
     def predict(version: int, lag: int, out):  # type: ignore[no-untyped-def]
         calls.append(out)
         return [torch.zeros(4)] if out is None else out
+
     return predict
 
 
 def test_a_released_prediction_is_the_buffer_of_the_next() -> None:
     # One prediction per mini-batch (M=2): the second mini-batch's is written into the first's buffers.
     calls: list[object] = []
-    w = StageWeights([nn.Parameter(torch.ones(4))], "predict", {m: 1 for m in range(6)}, 2,
-                     _counting_predictor(calls))
+    w = StageWeights([nn.Parameter(torch.ones(4))], "predict", {m: 1 for m in range(6)}, 2, _counting_predictor(calls))
     first = w.acquire(0)
     assert w.acquire(1) is first
     w.release(0), w.release(1)
@@ -315,11 +325,14 @@ def test_stash_copies_on_write_into_a_released_stash() -> None:
     assert v1[0].data_ptr() != p.data_ptr() and torch.equal(p, v1[0])
 
 
-@pytest.mark.parametrize("optimizer, match", [
-    (lambda ps: torch.optim.RMSprop(ps), "SGD .*Adam.*AdamW"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "momentum > 0"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "nesterov"),
-])
+@pytest.mark.parametrize(
+    "optimizer, match",
+    [
+        (lambda ps: torch.optim.RMSprop(ps), "SGD .*Adam.*AdamW"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "momentum > 0"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "nesterov"),
+    ],
+)
 def test_predict_refuses_unknown_directions(optimizer, match: str) -> None:
     pipe = Pipe(model(), balance=[3, 4])
     with pytest.raises(ValueError, match=match):
@@ -452,8 +465,7 @@ def test_virtual_stages_refuse_a_short_last_mini_batch_clearly() -> None:
     pipe = Pipe(model(), balance=[2, 2, 2, 1], chunks=2, schedule="interleaved", virtual_stages=2)
     before = [p.detach().clone() for p in pipe.parameters()]
     batches = data(2) + [(torch.randn(1, 8), torch.randn(1, 4))]  # 1 row: one micro-batch, not a multiple of 2
-    run = pipe.fit(batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.1), consistency="stale",
-                   window=4)
+    run = pipe.fit(batches, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.1), consistency="stale", window=4)
     with pytest.warns(UserWarning, match="splits into 1 micro-batches"):  # read with the first window
         assert len([next(run), next(run)]) == 2
     after = [p.detach().clone() for p in pipe.parameters()]

@@ -18,16 +18,25 @@ from fastpipe.runtime.worker import is_recomputing
 def model(seed: int = 3) -> nn.Sequential:
     # A BatchNorm in every stage of [3, 3, 3] (and of [3, 6]); one with a cumulative average (momentum None).
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(),
-                         nn.Linear(16, 16), nn.BatchNorm1d(16, momentum=0.3), nn.GELU(),
-                         nn.Linear(16, 16), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.BatchNorm1d(16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16, momentum=0.3),
+        nn.GELU(),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16, momentum=None),
+        nn.Linear(16, 4),
+    )
 
 
 def data(n: int, batch: int = 14) -> list[tuple[Tensor, Tensor]]:
     # Each mini-batch with its own scale and shift: statistics mixed across mini-batches show.
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(batch, 8, generator=g) * (1 + j) + 2 * j, torch.randn(batch, 4, generator=g))
-            for j in range(n)]
+    return [
+        (torch.randn(batch, 8, generator=g) * (1 + j) + 2 * j, torch.randn(batch, 4, generator=g)) for j in range(n)
+    ]
 
 
 def norms(pipe: Pipe) -> dict[int, DeferredBatchNorm]:
@@ -66,7 +75,7 @@ def _fold(inputs: list[Tensor], momentum: float | None, minibatches: int, m: int
     mean = torch.zeros(inputs[0].size(1), dtype=torch.float64)
     var = torch.ones_like(mean)
     for n in range(minibatches):
-        x = torch.cat(inputs[n * m:(n + 1) * m]).double()
+        x = torch.cat(inputs[n * m : (n + 1) * m]).double()
         f = momentum if momentum is not None else 1 / (n + 1)
         mean = (1 - f) * mean + f * x.mean(0)
         var = (1 - f) * var + f * x.var(0, correction=1)
@@ -85,8 +94,9 @@ def test_async_commits_each_mini_batch_alone(balance: list[int], consistency: st
     pipe = Pipe(model(), balance=balance, chunks=m, checkpoint=checkpoint, deferred_batch_norm=True)
     seen: dict[int, list[Tensor]] = {i: [] for i in norms(pipe)}
     for i, bn in norms(pipe).items():
-        bn.register_forward_pre_hook(lambda mod, args, i=i: None if is_recomputing()
-                                     else seen[i].append(args[0].detach().clone()))
+        bn.register_forward_pre_hook(
+            lambda mod, args, i=i: None if is_recomputing() else seen[i].append(args[0].detach().clone())
+        )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     losses = list(pipe.fit(batches, nn.MSELoss(), opt, consistency=consistency, window=3))
     assert len(losses) == minibatches and all(torch.isfinite(v) for v in losses)
@@ -94,8 +104,13 @@ def test_async_commits_each_mini_batch_alone(balance: list[int], consistency: st
         want = _fold(seen[i], bn.momentum, minibatches, m)
         for name in ("running_mean", "running_var"):
             # fp32 per micro-batch statistics (6 rows) and one fp32 update per mini-batch, against fp64.
-            assert_close_reordered(getattr(bn, name), want[name].float(), k=6 + 2 * minibatches,
-                                   dtype=torch.float32, msg=f"layer {i} {name}")
+            assert_close_reordered(
+                getattr(bn, name),
+                want[name].float(),
+                k=6 + 2 * minibatches,
+                dtype=torch.float32,
+                msg=f"layer {i} {name}",
+            )
         assert int(bn.num_batches_tracked) == minibatches  # type: ignore[arg-type]
         assert bn._pending == {}  # nothing left over for a later step to commit
 

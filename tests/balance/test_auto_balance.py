@@ -9,8 +9,14 @@ from fastpipe import Pipe
 
 def lopsided():
     # One layer far heavier than the rest: a balanced split isolates it.
-    return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 1024), nn.Linear(1024, 1024),
-                         nn.Linear(1024, 32), nn.Linear(32, 32))
+    return nn.Sequential(
+        nn.Linear(32, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 1024),
+        nn.Linear(1024, 1024),
+        nn.Linear(1024, 32),
+        nn.Linear(32, 32),
+    )
 
 
 def test_auto_balance_sums_and_trains():
@@ -22,8 +28,15 @@ def test_auto_balance_sums_and_trains():
 
 
 def test_auto_balance_interleaved_has_a_stage_per_virtual_stage():
-    pipe = Pipe(lopsided(), balance="auto", devices=["cpu"] * 4, chunks=4, sample=torch.randn(16, 32),
-                schedule="interleaved", virtual_stages=2)
+    pipe = Pipe(
+        lopsided(),
+        balance="auto",
+        devices=["cpu"] * 4,
+        chunks=4,
+        sample=torch.randn(16, 32),
+        schedule="interleaved",
+        virtual_stages=2,
+    )
     assert len(pipe.balance) == 4
     pipe.train_step(torch.randn(16, 32), torch.randn(16, 32), nn.MSELoss())
 

@@ -53,8 +53,9 @@ def test_plan_interleaved_and_comm_equal_brute_force() -> None:
     with_comm = plan(fwd, bwd, 3, microbatches=4, schedule="1f1b", comm=0.7)
     assert predict(with_comm, fwd, bwd, microbatches=4, schedule="1f1b", comm=0.7).makespan == pytest.approx(
         min(
-            predict([b - a for a, b in zip((0, *c), (*c, 7))], fwd, bwd, microbatches=4, schedule="1f1b",
-                    comm=0.7).makespan
+            predict(
+                [b - a for a, b in zip((0, *c), (*c, 7))], fwd, bwd, microbatches=4, schedule="1f1b", comm=0.7
+            ).makespan
             for c in itertools.combinations(range(1, 7), 2)
         )
     )
@@ -70,7 +71,7 @@ def test_plan_respects_memory_limit() -> None:
     assert limited != free
     start = 0
     for size in limited:
-        assert sum(memory[start:start + size]) <= 8.0
+        assert sum(memory[start : start + size]) <= 8.0
         start += size
     expected = _brute_force(fwd, bwd, 2, 4, "1f1b", memory, 8.0)
     assert predict(limited, fwd, bwd, microbatches=4, schedule="1f1b").makespan == pytest.approx(expected)
@@ -139,8 +140,9 @@ def test_auto_balance_for_pipe() -> None:
     sample = torch.randn(32, 8)
     balance = auto_balance(model, ["cpu", "cpu"], sample, chunks=4, schedule="1f1b", repeats=1)
     assert sum(balance) == 5 and len(balance) == 2
-    balance = auto_balance(model, ["cpu"] * 4, sample, chunks=4, schedule="interleaved", virtual_stages=2,
-                           repeats=1, memory_limit=1e9)
+    balance = auto_balance(
+        model, ["cpu"] * 4, sample, chunks=4, schedule="interleaved", virtual_stages=2, repeats=1, memory_limit=1e9
+    )
     assert sum(balance) == 5 and len(balance) == 4
     with pytest.raises(BalanceError, match="no partition"):
         auto_balance(model, ["cpu", "cpu"], sample, chunks=4, memory_limit=10.0, repeats=1)

@@ -51,8 +51,11 @@ def test_memory_legend_leaves_the_bars_uncovered(tmp_path: Path, monkeypatch: py
     # Shaped like a CPU run: at the small batch every mode nearly fills the axes.
     blocks = {32: [54251, 58867, 62368, 62368], 512: [16240, 26010, 43127, 43128]}
     modes = ("plain", "fused", "recompute", "recompute + fused")
-    rows = [{"batch": b, "mode": m, "largest_blocks": n, "ratio_to_plain": n / counts[0]}
-            for b, counts in blocks.items() for m, n in zip(modes, counts)]
+    rows = [
+        {"batch": b, "mode": m, "largest_blocks": n, "ratio_to_plain": n / counts[0]}
+        for b, counts in blocks.items()
+        for m, n in zip(modes, counts)
+    ]
     plot_memory({"rows": rows, "batches": list(blocks), "budget_bytes": 16 * 2**30}, str(tmp_path / "memory.png"))
     (fig,) = figures
     (ax,) = fig.axes

@@ -20,8 +20,9 @@ def _threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def test_quick_e2e_and_schedules(tmp_path: object, capsys: pytest.CaptureFixture[str],
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quick_e2e_and_schedules(
+    tmp_path: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(str(tmp_path))  # the suite needs no checkout: it runs from any directory
     out = "bench"
     assert main(["bench", "--quick", "--tiny", "--only", "e2e,schedules", "--out", out, "--no-progress"]) == 0
@@ -35,8 +36,12 @@ def test_quick_e2e_and_schedules(tmp_path: object, capsys: pytest.CaptureFixture
     res = e2e["result"]
     assert res["k"] == 2 and res["limit_s"] == pytest.approx(limit_of(res["t_mb_s"], 2, res["m"]))
     methods = {r["method"]: r for r in res["rows"]}
-    assert {"plain, 1 device, full batch", "gradient accumulation, 1 device (T_mb)",
-            "fastpipe GPipe, pipe(x) + backward", "fastpipe train_step 1f1b"} <= set(methods)
+    assert {
+        "plain, 1 device, full batch",
+        "gradient accumulation, 1 device (T_mb)",
+        "fastpipe GPipe, pipe(x) + backward",
+        "fastpipe train_step 1f1b",
+    } <= set(methods)
     for r in methods.values():
         assert r["median_s"] > 0 and r["speedup_over_1_device"] == pytest.approx(res["t_mb_s"] / r["median_s"])
     # Peers that are missing or skipped say so instead of vanishing.
@@ -54,8 +59,9 @@ def test_unknown_part_is_refused(tmp_path: object, capsys: pytest.CaptureFixture
     assert "unknown part(s) warp" in capsys.readouterr().err
 
 
-def test_bench_says_where_it_wrote(tmp_path: object, capsys: pytest.CaptureFixture[str],
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_says_where_it_wrote(
+    tmp_path: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(str(tmp_path))
     assert main(["bench", "--tiny", "--only", "schedules", "--out", "out", "--no-progress"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

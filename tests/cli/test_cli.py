@@ -17,8 +17,10 @@ from fastpipe.cli import build_parser, main
 
 # A console script's sys.path[0] is its own folder, never the current directory: drop '' (which
 # `python -c` puts first) so the subprocess sees sys.path as `fastpipe` from a shell does.
-_AS_CONSOLE_SCRIPT = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.')]; "
-                      "from fastpipe.cli import main; sys.exit(main(sys.argv[1:]))")
+_AS_CONSOLE_SCRIPT = (
+    "import sys; sys.path = [p for p in sys.path if p not in ('', '.')]; "
+    "from fastpipe.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -36,11 +38,14 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
     assert shown == f"fastpipe {fastpipe.__version__}" == f"fastpipe {importlib.metadata.version('fastpipe')}"
 
 
-@pytest.mark.parametrize("command, shown", [
-    ("plan", ["pipeline schedule the plan is for (default: gpipe)", "(default: float32)"]),
-    ("train", ["(default: 1f1b)", "(default: fastpipe-train)", "(default: 300)", "(default: 0.0)"]),
-    ("bench", ["(default: fastpipe-bench)"]),
-])
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        ("plan", ["pipeline schedule the plan is for (default: gpipe)", "(default: float32)"]),
+        ("train", ["(default: 1f1b)", "(default: fastpipe-train)", "(default: 300)", "(default: 0.0)"]),
+        ("bench", ["(default: fastpipe-bench)"]),
+    ],
+)
 def test_help_shows_the_defaults(command: str, shown: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -64,13 +69,17 @@ def test_no_command_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "plan" in err and "train" in err and "bench" in err and "--version" in err
 
 
-@pytest.mark.parametrize("argv, missing", [
-    ([], ["the layers' costs (--costs", "--partitions K", "--microbatches M"]),
-    (["--costs", "1,2,3,4", "--microbatches", "8"], ["--partitions K (the pipeline workers to balance the layers"]),
-    (["--costs", "1,2,3,4", "--partitions", "2"], ["--microbatches M"]),
-])
-def test_plan_says_what_the_balance_needs(argv: list[str], missing: list[str],
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, missing",
+    [
+        ([], ["the layers' costs (--costs", "--partitions K", "--microbatches M"]),
+        (["--costs", "1,2,3,4", "--microbatches", "8"], ["--partitions K (the pipeline workers to balance the layers"]),
+        (["--costs", "1,2,3,4", "--partitions", "2"], ["--microbatches M"]),
+    ],
+)
+def test_plan_says_what_the_balance_needs(
+    argv: list[str], missing: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     for fragment in missing:
@@ -80,17 +89,34 @@ def test_plan_says_what_the_balance_needs(argv: list[str], missing: list[str],
 
 
 def test_plan_imports_a_model_module_from_the_current_directory(tmp_path: Path) -> None:
-    (tmp_path / "fastpipe_cwd_models.py").write_text(textwrap.dedent("""
+    (tmp_path / "fastpipe_cwd_models.py").write_text(
+        textwrap.dedent("""
         from torch import nn
 
 
         def build():
             return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
-    """))
-    argv = ["plan", "--model", "fastpipe_cwd_models:build", "--sample-shape", "16,8", "--partitions", "2",
-            "--microbatches", "2"]
+    """)
+    )
+    argv = [
+        "plan",
+        "--model",
+        "fastpipe_cwd_models:build",
+        "--sample-shape",
+        "16,8",
+        "--partitions",
+        "2",
+        "--microbatches",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _AS_CONSOLE_SCRIPT, *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _AS_CONSOLE_SCRIPT, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "balance: [" in done.stdout and "peak memory" in done.stdout

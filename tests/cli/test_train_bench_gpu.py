@@ -16,10 +16,41 @@ pytestmark = pytest.mark.gpu
 def test_train_puts_one_stage_on_each_gpu(tmp_path: object) -> None:
     out = os.path.join(str(tmp_path), "run")
     gpus = torch.cuda.device_count()
-    assert main(["train", "--steps", "8", "--layers", str(max(2, gpus)), "--dim", "64", "--heads", "2",
-                 "--seq-len", "32", "--batch", "8", "--chunks", "2", "--lr", "1e-2", "--warmup", "1",
-                 "--eval-batches", "1", "--sample-chars", "8", "--max-chars", "200000", "--no-progress",
-                 "--out", out]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--steps",
+                "8",
+                "--layers",
+                str(max(2, gpus)),
+                "--dim",
+                "64",
+                "--heads",
+                "2",
+                "--seq-len",
+                "32",
+                "--batch",
+                "8",
+                "--chunks",
+                "2",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "1",
+                "--eval-batches",
+                "1",
+                "--sample-chars",
+                "8",
+                "--max-chars",
+                "200000",
+                "--no-progress",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     with open(os.path.join(out, "report.json")) as f:
         report = json.load(f)
     assert report["devices"] == [f"cuda:{i}" for i in range(gpus)]
@@ -33,10 +64,45 @@ def test_train_async_on_gpus(tmp_path: object) -> None:
     # fit under bf16 autocast, one stage per GPU (the worker threads carry the caller's autocast).
     out = os.path.join(str(tmp_path), "async")
     gpus = torch.cuda.device_count()
-    assert main(["train", "--steps", "8", "--layers", str(max(2, gpus)), "--dim", "64", "--heads", "2",
-                 "--seq-len", "32", "--batch", "8", "--chunks", "2", "--lr", "1e-2", "--warmup", "1",
-                 "--eval-batches", "1", "--sample-chars", "8", "--max-chars", "200000", "--no-progress",
-                 "--schedule", "async", "--window", "4", "--out", out]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--steps",
+                "8",
+                "--layers",
+                str(max(2, gpus)),
+                "--dim",
+                "64",
+                "--heads",
+                "2",
+                "--seq-len",
+                "32",
+                "--batch",
+                "8",
+                "--chunks",
+                "2",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "1",
+                "--eval-batches",
+                "1",
+                "--sample-chars",
+                "8",
+                "--max-chars",
+                "200000",
+                "--no-progress",
+                "--schedule",
+                "async",
+                "--window",
+                "4",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     with open(os.path.join(out, "report.json")) as f:
         report = json.load(f)
     assert report["devices"] == [f"cuda:{i}" for i in range(gpus)]

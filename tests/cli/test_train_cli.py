@@ -12,9 +12,31 @@ import torch
 from fastpipe.cli import main
 
 # Toy sizes: seconds on one CPU core. 200k characters of the stdlib are plenty for 6 steps.
-TINY = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "32", "--batch", "8", "--chunks", "2",
-        "--lr", "1e-2", "--warmup", "1", "--eval-batches", "1", "--sample-chars", "16", "--max-chars", "200000",
-        "--no-progress"]
+TINY = [
+    "--layers",
+    "2",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "8",
+    "--chunks",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "1",
+    "--eval-batches",
+    "1",
+    "--sample-chars",
+    "16",
+    "--max-chars",
+    "200000",
+    "--no-progress",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +55,17 @@ def _train(tmp_path: object, name: str, *extra: str) -> dict:
 
 def test_steps_5_writes_the_report_and_learns(tmp_path: object) -> None:
     report = _train(tmp_path, "run", "--steps", "5")
-    for key in ("settings", "history", "val_loss", "unigram_entropy", "tokens_per_s", "bubble", "memory",
-                "sample", "files"):
+    for key in (
+        "settings",
+        "history",
+        "val_loss",
+        "unigram_entropy",
+        "tokens_per_s",
+        "bubble",
+        "memory",
+        "sample",
+        "files",
+    ):
         assert key in report
     for name in ("report.json", "loss.png", "timeline.png", "trace.json"):
         assert os.path.getsize(report["files"][name]) > 0
@@ -109,23 +140,42 @@ def test_resume_refuses_other_settings(tmp_path: object, capsys: pytest.CaptureF
     assert "chunks: saved 2, now 4" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--chunks", "16"], "--chunks 16 is more than --batch 8"),
-    (["--stages", "3"], "raise --layers to at least 3"),
-    (["--schedule", "interleaved"], "raise --layers to at least 4"),
-    (["--heads", "3"], "--dim 32 must be a multiple of --heads 3"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--save-every", "2"], "--save-every needs --save DIR"),
-    (["--resume", "/nonexistent/fastpipe-ckpt"], "no run.pt there"),
-    (["--consistency", "stash"], "--consistency applies to --schedule async only"),
-    (["--window", "4"], "--window applies to --schedule async only"),
-    (["--schedule", "async", "--window", "0"], "--window must be >= 1"),
-    (["--schedule", "async", "--window", "4", "--steps", "8", "--save", "/nonexistent/ckpt", "--save-every", "2"],
-     "--save-every 2 is not a multiple of --window 4"),
-    (["--schedule", "async", "--window", "4", "--steps", "6", "--save", "/nonexistent/ckpt"],
-     "needs --steps to be a multiple of --window 4"),
-])
-def test_bad_flags_are_refused_with_what_to_change(tmp_path: object, capsys: pytest.CaptureFixture[str],
-                                                   flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--chunks", "16"], "--chunks 16 is more than --batch 8"),
+        (["--stages", "3"], "raise --layers to at least 3"),
+        (["--schedule", "interleaved"], "raise --layers to at least 4"),
+        (["--heads", "3"], "--dim 32 must be a multiple of --heads 3"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--save-every", "2"], "--save-every needs --save DIR"),
+        (["--resume", "/nonexistent/fastpipe-ckpt"], "no run.pt there"),
+        (["--consistency", "stash"], "--consistency applies to --schedule async only"),
+        (["--window", "4"], "--window applies to --schedule async only"),
+        (["--schedule", "async", "--window", "0"], "--window must be >= 1"),
+        (
+            [
+                "--schedule",
+                "async",
+                "--window",
+                "4",
+                "--steps",
+                "8",
+                "--save",
+                "/nonexistent/ckpt",
+                "--save-every",
+                "2",
+            ],
+            "--save-every 2 is not a multiple of --window 4",
+        ),
+        (
+            ["--schedule", "async", "--window", "4", "--steps", "6", "--save", "/nonexistent/ckpt"],
+            "needs --steps to be a multiple of --window 4",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_with_what_to_change(
+    tmp_path: object, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
     assert main(["train", *TINY, "--out", str(tmp_path), *flags]) == 2
     assert message in capsys.readouterr().err

@@ -29,8 +29,7 @@ def transport_of(pipe: object) -> str:
 
 def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout))
-                           for _ in range(8)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout)) for _ in range(8)])
 
 
 def make_batch(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +184,11 @@ def _pp_dp(rank: int, world: int, transport: str) -> list[tuple[str, float, floa
     ref = dict(plain.named_parameters())
     out = []
     for name, balance in [("1f1b", [4, 4]), ("zb-h1", [4, 4]), ("interleaved", [2, 2, 2, 2])]:
-        pipe = DistributedPipe(make_model(), balance, chunks=2, schedule=name, mesh=mesh, timeout=20,
-                               bucket_bytes=2048)  # several buckets per stage
+        pipe = DistributedPipe(
+            make_model(), balance, chunks=2, schedule=name, mesh=mesh, timeout=20, bucket_bytes=2048
+        )  # several buckets per stage
         assert transport_of(pipe) == transport
-        loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None,
-                               nn.MSELoss())
+        loss = pipe.train_step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None, nn.MSELoss())
         worst = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
         out.append((name, loss.item(), expected.item(), worst))
         pipe.close()
@@ -242,8 +241,9 @@ def _through_pipe(rank: int, world: int) -> tuple[str, float, list[tuple[str, fl
 
     from fastpipe import DistributedPipe
 
-    pipe = DistributedPipe(_model_with_slow_stage_0(), balance=[2, 2], chunks=2, schedule="1f1b",
-                           process_group=dist.group.WORLD)
+    pipe = DistributedPipe(
+        _model_with_slow_stage_0(), balance=[2, 2], chunks=2, schedule="1f1b", process_group=dist.group.WORLD
+    )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
     loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), trace=True)
@@ -338,8 +338,13 @@ def test_torchrun_runs_the_readme_example(tmp_path, transport: str) -> None:
     out = tmp_path / "losses.json"
     script = os.path.join(TESTS_DIR, "_torchrun_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           script, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2
@@ -362,10 +367,32 @@ def test_torchrun_with_two_nodes_on_one_host(tmp_path) -> None:
     script = os.path.join(TESTS_DIR, "_torchrun_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     env.pop("FASTPIPE_P2P", None)
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                script, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for n in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                script,
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     try:
         outputs = [a.communicate(timeout=120) for a in agents]
     finally:

@@ -45,8 +45,9 @@ def make_model(trap_stage: int, how: str, calls: int, stages: int) -> nn.Sequent
 def _faulty(rank: int, world: int, trap_stage: int, how: str) -> dict:
     from fastpipe.distributed_pipe import DistributedPipe
 
-    pipe = DistributedPipe(make_model(trap_stage, how, 7, world), [2] * world, chunks=4, schedule="1f1b",
-                           checkpoint="never", timeout=BOUND)
+    pipe = DistributedPipe(
+        make_model(trap_stage, how, 7, world), [2] * world, chunks=4, schedule="1f1b", checkpoint="never", timeout=BOUND
+    )
     x, y = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
     pipe.train_step(x, y, nn.MSELoss())  # 4 forwards: fine
     start = time.monotonic()
@@ -133,8 +134,9 @@ def _dies_before_save(rank: int, world: int, path: str) -> dict:
     import fastpipe
     from fastpipe.distributed_pipe import DistributedPipe
 
-    pipe = DistributedPipe(make_model(-1, "none", 0, world), [2] * world, chunks=2, schedule="1f1b",
-                           checkpoint="never", timeout=BOUND)
+    pipe = DistributedPipe(
+        make_model(-1, "none", 0, world), [2] * world, chunks=2, schedule="1f1b", checkpoint="never", timeout=BOUND
+    )
     pipe.train_step(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN), nn.MSELoss())
     if rank == world - 1:
         os._exit(1)  # never reaches save: the others must not wait for it forever

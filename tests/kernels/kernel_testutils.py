@@ -28,4 +28,3 @@ class EagerMLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
-

@@ -34,7 +34,8 @@ def _type_checking_only(node: ast.AST) -> bool:
         return False
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
@@ -74,8 +75,9 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     anchor = name.split(".") if is_package else name.split(".")[:-1]
                     anchor = anchor[: len(anchor) - (node.level - 1)]
                     base = ".".join([*anchor, base] if base else anchor)
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                           for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:  # fastpipe._C, the compiled extension, imports nothing back
                 if target in modules and target != name:
                     graph[name].add(target)
@@ -131,7 +133,8 @@ def test_the_cycle_finder_sees_function_level_imports(tmp_path):
     (tmp_path / "fastpipe" / "a.py").write_text("from fastpipe.b import f\n")
     (tmp_path / "fastpipe" / "b.py").write_text("def f():\n    from . import a\n")
     (tmp_path / "fastpipe" / "c.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastpipe import a\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastpipe import a\n"
+    )
     graph = import_graph(package_modules(tmp_path))
     assert graph["fastpipe.a"] == {"fastpipe.b"} and graph["fastpipe.b"] == {"fastpipe.a"}
     assert graph["fastpipe.c"] == set()

@@ -19,15 +19,27 @@ from fastpipe import DeferredBatchNorm, Pipe
 
 
 def bn_model():
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6, momentum=None))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 6),
+        nn.BatchNorm1d(6, momentum=None),
+    )
 
 
 def stats_model(momentum):
     # Only one BatchNorm: later ones would see inputs normalised per micro-batch, which
     # legitimately differ from a full-batch pass.
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(4, momentum=momentum),
-                         nn.Flatten(), nn.Linear(100, 6), nn.Tanh())
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.BatchNorm2d(4, momentum=momentum),
+        nn.Flatten(),
+        nn.Linear(100, 6),
+        nn.Tanh(),
+    )
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -180,6 +192,7 @@ def test_no_host_sync_and_no_activation_sized_fp64_tensor():
         dbn.commit()
     names = [n for n, _ in watch.calls]
     assert not {"item", "__float__", "__int__", "tolist"} & set(names), names
-    big64 = [n for n, out in watch.calls
-             if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel() > 4]
+    big64 = [
+        n for n, out in watch.calls if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel() > 4
+    ]
     assert big64 == []

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.gpu
 
 def model(p=0.1):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(p), nn.Linear(64, 64), nn.LayerNorm(64),
-                         nn.Linear(64, 8))
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Dropout(p), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)
+    )
 
 
 @pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"]])
@@ -86,8 +87,10 @@ def accumulate_plain(ref, x, chunks, loss_fn):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"],
-                                     ["cuda:0", "cpu", "cuda:0"], ["cpu", "cuda:0", "cpu"]])
+@pytest.mark.parametrize(
+    "devices",
+    [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"], ["cuda:0", "cpu", "cuda:0"], ["cpu", "cuda:0", "cpu"]],
+)
 def test_gpu_stages_backward_on_the_device_thread(devices, autograd_threads):
     # No stage worker may call autograd for a CUDA stage when the node runs on the
     # device thread (the grad arrives on CUDA): that is what deadlocked.
@@ -128,8 +131,9 @@ def test_deferred_batch_norm_on_gpu(checkpoint):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 4))
     ref = copy.deepcopy(net).cuda()
-    pipe = Pipe(net, balance=[2, 2], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint=checkpoint,
-                deferred_batch_norm=True)
+    pipe = Pipe(
+        net, balance=[2, 2], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True
+    )
     for step in range(2):
         x = torch.randn(32, 8, device="cuda") * (step + 1)
         pipe(x).sum().backward()

@@ -145,8 +145,9 @@ def _scaled_ranks(rank, world, sharded):
         flag[0] = step == 5  # only stage 0's (rank 0's) gradient overflows, in the last step
         opt.zero_grad()
         try:
-            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss(),
-                                   scaler=scaler)
+            loss = pipe.train_step(
+                x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss(), scaler=scaler
+            )
         except TypeError as exc:
             return {"refused": str(exc)}
         scaler.step(opt)

@@ -115,24 +115,33 @@ def test_model_on_the_meta_device():
 def test_cuda_devices_on_a_host_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ValueError, match=r"devices=\['cuda:0', 'cuda:1'\] asks for cuda:0, cuda:1, but "
-                                         r"torch.cuda.is_available\(\) is False and torch.cuda.device_count\(\) "
-                                         r"is 0.*devices=\['cpu'\] \* len\(balance\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"devices=\['cuda:0', 'cuda:1'\] asks for cuda:0, cuda:1, but "
+        r"torch.cuda.is_available\(\) is False and torch.cuda.device_count\(\) "
+        r"is 0.*devices=\['cpu'\] \* len\(balance\)",
+    ):
         Pipe(model(), balance=[2, 2], devices=["cuda:0", "cuda:1"])
 
 
 def test_cuda_index_beyond_device_count(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ValueError, match=r"asks for cuda:3, but torch.cuda.is_available\(\) is True and "
-                                         r"torch.cuda.device_count\(\) is 2.*indices 0..1"):
+    with pytest.raises(
+        ValueError,
+        match=r"asks for cuda:3, but torch.cuda.is_available\(\) is True and "
+        r"torch.cuda.device_count\(\) is 2.*indices 0..1",
+    ):
         Pipe(model(), balance=[2, 2], devices=["cuda:0", 3])
 
 
-@pytest.mark.parametrize("entry, error, match", [
-    (None, TypeError, r"devices\[1\] = None is not a device"),
-    ("gpu0", ValueError, r"devices\[1\] = 'gpu0' is not a device name.*'cuda:0' or 'cpu'"),
-])
+@pytest.mark.parametrize(
+    "entry, error, match",
+    [
+        (None, TypeError, r"devices\[1\] = None is not a device"),
+        ("gpu0", ValueError, r"devices\[1\] = 'gpu0' is not a device name.*'cuda:0' or 'cpu'"),
+    ],
+)
 def test_device_entry_that_is_not_a_device(entry, error, match):
     with pytest.raises(error, match=match):
         Pipe(model(), balance=[2, 2], devices=["cpu", entry])
@@ -143,11 +152,14 @@ def test_unknown_schedule_is_refused_when_building():
         Pipe(model(), balance=[2, 2], schedule="pipedream")
 
 
-@pytest.mark.parametrize("virtual_stages, error, match", [
-    (0, ValueError, "virtual_stages=0; len.balance. must be a multiple of virtual_stages"),
-    (3, ValueError, "virtual_stages=3; len.balance. must be a multiple of virtual_stages"),
-    (1.5, TypeError, "virtual_stages must be an int"),
-])
+@pytest.mark.parametrize(
+    "virtual_stages, error, match",
+    [
+        (0, ValueError, "virtual_stages=0; len.balance. must be a multiple of virtual_stages"),
+        (3, ValueError, "virtual_stages=3; len.balance. must be a multiple of virtual_stages"),
+        (1.5, TypeError, "virtual_stages must be an int"),
+    ],
+)
 def test_virtual_stages_that_do_not_fit(virtual_stages, error, match):
     with pytest.raises(error, match=match):
         Pipe(model(), balance=[1, 1, 1, 1], schedule="interleaved", virtual_stages=virtual_stages)
@@ -190,8 +202,11 @@ def test_every_form_of_moving_the_pipe_is_refused(move):
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pipe.parameters())
 
 
-@pytest.mark.parametrize("change", [lambda p: p.to(torch.float64), lambda p: p.to(dtype=torch.float64),
-                                    lambda p: p.double()], ids=["positional", "keyword", "double"])
+@pytest.mark.parametrize(
+    "change",
+    [lambda p: p.to(torch.float64), lambda p: p.to(dtype=torch.float64), lambda p: p.double()],
+    ids=["positional", "keyword", "double"],
+)
 def test_dtype_only_changes_still_work(change):
     pipe = Pipe(model(), balance=[2, 2], chunks=2)
     assert change(pipe) is pipe
@@ -245,34 +260,54 @@ def train_step_pipe():
 TRAIN_STEP_MISUSE = {
     "targets of another batch size": (
         lambda p, x, y: p.train_step(x, y[:7], nn.MSELoss()),
-        ValueError, "target batch size 7 differs from the input's 8.*one target row per input row"),
+        ValueError,
+        "target batch size 7 differs from the input's 8.*one target row per input row",
+    ),
     "loss_fn returns a non-scalar": (
         lambda p, x, y: p.train_step(x, y, lambda out, t: (out - t) ** 2),
-        TypeError, r"loss_fn must return a scalar tensor, got \(4, 4\); use a mean- or sum-reduced loss"),
+        TypeError,
+        r"loss_fn must return a scalar tensor, got \(4, 4\); use a mean- or sum-reduced loss",
+    ),
     "loss_fn returns a float": (
         lambda p, x, y: p.train_step(x, y, lambda out, t: 1.0),
-        TypeError, "loss_fn must return a scalar tensor, got float"),
+        TypeError,
+        "loss_fn must return a scalar tensor, got float",
+    ),
     "loss reduction none": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(reduction="none")),
-        ValueError, "reduction='none'; train_step needs 'mean' or 'sum'"),
+        ValueError,
+        "reduction='none'; train_step needs 'mean' or 'sum'",
+    ),
     "loss_fn not callable": (
         lambda p, x, y: p.train_step(x, y, "mse"),
-        TypeError, r"loss_fn must be callable as loss_fn\(output, target\), got str"),
+        TypeError,
+        r"loss_fn must be callable as loss_fn\(output, target\), got str",
+    ),
     "unknown schedule": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), schedule="pipedream-2bw"),
-        ValueError, "unknown schedule 'pipedream-2bw'; valid schedules"),
+        ValueError,
+        "unknown schedule 'pipedream-2bw'; valid schedules",
+    ),
     "virtual stages that do not divide": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), schedule="interleaved", virtual_stages=3),
-        ValueError, "multiple of virtual_stages"),
+        ValueError,
+        "multiple of virtual_stages",
+    ),
     "virtual stages without interleaved": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), schedule="1f1b", virtual_stages=2),
-        ValueError, "only applies to the 'interleaved' schedule"),
+        ValueError,
+        "only applies to the 'interleaved' schedule",
+    ),
     "scaler that is not a GradScaler": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), scaler=2.0**16),
-        TypeError, "scaler must be a torch.amp.GradScaler, got float"),
+        TypeError,
+        "scaler must be a torch.amp.GradScaler, got float",
+    ),
     "target not a tensor": (
         lambda p, x, y: p.train_step(x, [1, 2], nn.MSELoss()),
-        TypeError, "target must be a Tensor or a tuple"),
+        TypeError,
+        "target must be a Tensor or a tuple",
+    ),
 }
 
 
@@ -287,8 +322,11 @@ def test_train_step_misuse(case):
 
 
 INPUT_MISUSE = {
-    "tensors of different batch sizes": ((torch.zeros(4, 4), torch.zeros(3, 4)), ValueError,
-                                         r"disagree on the batch size \(dim 0\): \[3, 4\]"),
+    "tensors of different batch sizes": (
+        (torch.zeros(4, 4), torch.zeros(3, 4)),
+        ValueError,
+        r"disagree on the batch size \(dim 0\): \[3, 4\]",
+    ),
     "empty batch": (torch.zeros(0, 4), ValueError, r"batch is empty \(dim 0 has size 0\)"),
     "0-d tensor": (torch.tensor(1.0), ValueError, "0-d tensor .* give it a leading batch dimension"),
     "tuple without a tensor": ((1, 2), TypeError, "holds no tensor; at least one item must be a Tensor"),
@@ -308,25 +346,35 @@ def test_input_that_cannot_be_split(case):
 def test_load_with_swapped_arguments(tmp_path):
     pipe = Pipe(model(), balance=[2, 2])
     fastpipe.save(pipe, str(tmp_path / "ckpt.pt"))
-    with pytest.raises(TypeError, match=r"fastpipe.load: the arguments are swapped: it is "
-                                        r"fastpipe.load\(path, into, optimizer=None\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"fastpipe.load: the arguments are swapped: it is "
+        r"fastpipe.load\(path, into, optimizer=None\)",
+    ):
         fastpipe.load(pipe, str(tmp_path / "ckpt.pt"))
 
 
 def test_save_with_swapped_arguments(tmp_path):
     pipe = Pipe(model(), balance=[2, 2])
-    with pytest.raises(TypeError, match=r"fastpipe.save: the arguments are swapped: it is "
-                                        r"fastpipe.save\(pipe, path, optimizer=None\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"fastpipe.save: the arguments are swapped: it is "
+        r"fastpipe.save\(pipe, path, optimizer=None\)",
+    ):
         fastpipe.save(tmp_path / "ckpt.pt", pipe)
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda pipe, path: fastpipe.save(pipe, 42), "path must be a file path .* got int"),
-    (lambda pipe, path: fastpipe.save(pipe.state_dict(), path), "pipe must be the Pipe .* got OrderedDict"),
-    (lambda pipe, path: fastpipe.save(pipe, path, pipe), "optimizer must be a torch.optim.Optimizer .* got Pipe"),
-    (lambda pipe, path: fastpipe.load(path, pipe.state_dict()), "into must be the Pipe .* got OrderedDict"),
-], ids=["save path", "save module", "save optimizer", "load into"])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda pipe, path: fastpipe.save(pipe, 42), "path must be a file path .* got int"),
+        (lambda pipe, path: fastpipe.save(pipe.state_dict(), path), "pipe must be the Pipe .* got OrderedDict"),
+        (lambda pipe, path: fastpipe.save(pipe, path, pipe), "optimizer must be a torch.optim.Optimizer .* got Pipe"),
+        (lambda pipe, path: fastpipe.load(path, pipe.state_dict()), "into must be the Pipe .* got OrderedDict"),
+    ],
+    ids=["save path", "save module", "save optimizer", "load into"],
+)
 def test_checkpoint_argument_of_the_wrong_kind(tmp_path, call, match):
     with pytest.raises(TypeError, match=match):
         call(Pipe(model(), balance=[2, 2]), str(tmp_path / "ckpt.pt"))

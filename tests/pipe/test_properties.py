@@ -41,8 +41,13 @@ DTYPE = torch.float64
 TOL = {"rtol": 1e3 * 64 * torch.finfo(DTYPE).eps, "atol": 1e3 * 64 * torch.finfo(DTYPE).eps}
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved"]
 CHECKPOINTS = ["always", "except_last", "never"]
-PROFILE = {"derandomize": True, "deadline": None, "database": None, "print_blob": True,
-           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]}
+PROFILE = {
+    "derandomize": True,
+    "deadline": None,
+    "database": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+}
 
 
 # -- the layers ---------------------------------------------------------------------------
@@ -81,8 +86,11 @@ def specs(draw: Any, max_stages: int = 4) -> dict[str, Any]:
     spec["channels"] = draw(st.integers(1, 3))
     spec["size"] = draw(st.integers(2, 4))
     spec["front_bn"] = draw(st.booleans())
-    spec["body"] = draw(st.lists(st.sampled_from(["linear", "layernorm", "batchnorm", "dropout", "relu_", "tanh"]),
-                                 min_size=1, max_size=5))
+    spec["body"] = draw(
+        st.lists(
+            st.sampled_from(["linear", "layernorm", "batchnorm", "dropout", "relu_", "tanh"]), min_size=1, max_size=5
+        )
+    )
     span = draw(st.one_of(st.none(), st.tuples(st.integers(0, len(spec["body"])), st.integers(0, 2))))
     spec["tuple_span"] = span
     spec["batch"] = draw(st.integers(1, 7))
@@ -92,8 +100,11 @@ def specs(draw: Any, max_stages: int = 4) -> dict[str, Any]:
     spec["schedule"] = draw(st.sampled_from(SCHEDULES))
     layers = len(build(spec)[0])
     stages = draw(st.integers(1, min(max_stages, layers)))
-    cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=stages - 1, max_size=stages - 1))) \
-        if stages > 1 else []
+    cuts = (
+        sorted(draw(st.sets(st.integers(1, layers - 1), min_size=stages - 1, max_size=stages - 1)))
+        if stages > 1
+        else []
+    )
     spec["balance"] = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]
     return spec
 
@@ -134,8 +145,8 @@ def build(spec: dict[str, Any]) -> tuple[nn.Sequential, torch.Tensor]:
             body.append(_same_width(kind, width))
     if spec["tuple_span"] is not None:
         start, length = spec["tuple_span"]
-        inner = [OnFirst(m) for m in body[start:start + length]]
-        body = [*body[:start], Fork(), *inner, Merge(), *body[start + length:]]
+        inner = [OnFirst(m) for m in body[start : start + length]]
+        body = [*body[:start], Fork(), *inner, Merge(), *body[start + length :]]
     layers += [*body, nn.Linear(width, 2)]
     model = nn.Sequential(*layers).to(DTYPE)
     return model, x.to(DTYPE) if x.is_floating_point() else x
@@ -191,8 +202,9 @@ def usable(spec: dict[str, Any], x: torch.Tensor) -> list[int]:
     return [len(mb) for mb in scatter(x, spec["chunks"])]
 
 
-def reference(spec: dict[str, Any], model: nn.Sequential, x: torch.Tensor, seed: int,
-              per_output: Any = None) -> tuple[nn.Sequential, list[Any]]:
+def reference(
+    spec: dict[str, Any], model: nn.Sequential, x: torch.Tensor, seed: int, per_output: Any = None
+) -> tuple[nn.Sequential, list[Any]]:
     ref = copy.deepcopy(model)
     if spec["deferred"]:
         ref = DeferredBatchNorm.convert(ref)
@@ -202,8 +214,9 @@ def reference(spec: dict[str, Any], model: nn.Sequential, x: torch.Tensor, seed:
     return ref, outs
 
 
-def reference_step(spec: dict[str, Any], model: nn.Sequential, x: torch.Tensor, target: torch.Tensor,
-                   loss_fn: nn.Module) -> tuple[nn.Sequential, torch.Tensor]:
+def reference_step(
+    spec: dict[str, Any], model: nn.Sequential, x: torch.Tensor, target: torch.Tensor, loss_fn: nn.Module
+) -> tuple[nn.Sequential, torch.Tensor]:
     """What ``train_step`` must do: the mean loss over micro-batches weighted by their rows, its
     gradients accumulated into the reference model; returns (model, loss)."""
     targets = scatter(target, spec["chunks"])
@@ -228,8 +241,13 @@ def assert_same_state(pipe: nn.Module, ref: nn.Module, what: str) -> None:
 
 
 def make_pipe(spec: dict[str, Any], model: nn.Sequential) -> Pipe:
-    return Pipe(copy.deepcopy(model), balance=spec["balance"], chunks=spec["chunks"], checkpoint=spec["checkpoint"],
-                deferred_batch_norm=spec["deferred"])
+    return Pipe(
+        copy.deepcopy(model),
+        balance=spec["balance"],
+        chunks=spec["chunks"],
+        checkpoint=spec["checkpoint"],
+        deferred_batch_norm=spec["deferred"],
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -319,14 +337,22 @@ def test_fit_sync_equals_train_step_then_step(spec, window, minibatches):
         assume("dropout" not in spec["body"] and spec["front"] != "conv2d")
     schedule = "interleaved" if virtual > 1 else "1f1b"
     g = torch.Generator().manual_seed(spec["seed"])
-    batches = [(x * (1 + 0.25 * j) if x.is_floating_point() else x, torch.randn(len(x), 2, dtype=DTYPE, generator=g))
-               for j in range(minibatches)]
+    batches = [
+        (x * (1 + 0.25 * j) if x.is_floating_point() else x, torch.randn(len(x), 2, dtype=DTYPE, generator=g))
+        for j in range(minibatches)
+    ]
     loss_fn = nn.MSELoss()
 
     def fresh() -> tuple[Pipe, torch.optim.Optimizer]:
-        pipe = Pipe(copy.deepcopy(model), balance=spec["balance"], chunks=spec["chunks"],
-                    checkpoint=spec["checkpoint"], deferred_batch_norm=spec["deferred"], schedule=schedule,
-                    virtual_stages=virtual)
+        pipe = Pipe(
+            copy.deepcopy(model),
+            balance=spec["balance"],
+            chunks=spec["chunks"],
+            checkpoint=spec["checkpoint"],
+            deferred_batch_norm=spec["deferred"],
+            schedule=schedule,
+            virtual_stages=virtual,
+        )
         return pipe, torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
 
     ref, opt = fresh()
@@ -355,15 +381,26 @@ def _distributed(rank: int, world: int, specs_: list[dict[str, Any]]) -> list[di
     for spec in specs_:
         model, x = build(spec)
         target = torch.randn(len(x), 2, dtype=DTYPE, generator=torch.Generator().manual_seed(spec["seed"]))
-        pipe = DistributedPipe(copy.deepcopy(model), spec["balance"], chunks=spec["chunks"],
-                               checkpoint=spec["checkpoint"], deferred_batch_norm=spec["deferred"],
-                               schedule=spec["schedule"], timeout=60)
+        pipe = DistributedPipe(
+            copy.deepcopy(model),
+            spec["balance"],
+            chunks=spec["chunks"],
+            checkpoint=spec["checkpoint"],
+            deferred_batch_norm=spec["deferred"],
+            schedule=spec["schedule"],
+            timeout=60,
+        )
         torch.manual_seed(spec["seed"])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="fastpipe. a batch of")
             loss = pipe.train_step(x if pipe.is_first else None, target if pipe.is_last else None, nn.MSELoss())
-        results.append({"loss": loss, "grads": {n: p.grad for n, p in pipe.named_parameters()},
-                        "buffers": dict(pipe.named_buffers())})
+        results.append(
+            {
+                "loss": loss,
+                "grads": {n: p.grad for n, p in pipe.named_parameters()},
+                "buffers": dict(pipe.named_buffers()),
+            }
+        )
         pipe.close()
     return results
 

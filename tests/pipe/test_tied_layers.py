@@ -64,8 +64,7 @@ def test_layer_used_twice_under_train_step(schedule):
     [
         ("shared relu shared tanh", [1, 3], r"'2' \(layer 2, stage 1\) .* '0' \(layer 0, stage 0\)", r"\[4\]"),
         ("shared relu shared", [1, 2], r"'2' \(layer 2, stage 1\) .* '0' \(layer 0, stage 0\)", r"\[3\]"),
-        ("relu shared tanh shared", [1, 1, 1, 1], r"'3' \(layer 3, stage 3\) .* '1' \(layer 1, stage 1\)",
-         r"\[1, 3\]"),
+        ("relu shared tanh shared", [1, 1, 1, 1], r"'3' \(layer 3, stage 3\) .* '1' \(layer 1, stage 1\)", r"\[1, 3\]"),
     ],
 )
 def test_layer_used_in_two_stages_is_refused(layers, balance, names, merged):
@@ -86,12 +85,16 @@ def test_stateless_module_reused_across_stages_runs():
     assert list(pipe.state_dict()) == list(ref.state_dict())
 
 
-@pytest.mark.parametrize("build, blocks", [
-    (lambda s: [s, nn.ReLU(), s, nn.Tanh()], [3, 1]),
-    (lambda s: [nn.ReLU(), s, nn.Tanh(), s, nn.ReLU()], [1, 3, 1]),
-    (lambda s: [nn.ReLU(), s, nn.Sequential(nn.ReLU(), s)], [1, 2]),
-    (lambda s: [s, s.__class__(4, 4), nn.ReLU()], [1, 1, 1]),
-], ids=["repeat", "inner repeat", "nested", "untied"])
+@pytest.mark.parametrize(
+    "build, blocks",
+    [
+        (lambda s: [s, nn.ReLU(), s, nn.Tanh()], [3, 1]),
+        (lambda s: [nn.ReLU(), s, nn.Tanh(), s, nn.ReLU()], [1, 3, 1]),
+        (lambda s: [nn.ReLU(), s, nn.Sequential(nn.ReLU(), s)], [1, 2]),
+        (lambda s: [s, s.__class__(4, 4), nn.ReLU()], [1, 1, 1]),
+    ],
+    ids=["repeat", "inner repeat", "nested", "untied"],
+)
 def test_tied_blocks(build, blocks):
     assert tied_blocks(nn.Sequential(*build(nn.Linear(4, 4)))) == blocks
 
@@ -102,8 +105,12 @@ def test_auto_balance_keeps_tied_layers_in_one_stage():
     pipe = Pipe(model, balance="auto", devices=["cpu"] * 3, sample=torch.randn(8, 4), chunks=2)
     assert pipe.balance[0] >= 3 and sum(pipe.balance) == 6
     with pytest.raises(ValueError, match=r"2 blocks once tied layers stay together\) cannot fill 3 stages"):
-        Pipe(nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh()), balance="auto", devices=["cpu"] * 3,
-             sample=torch.randn(8, 4))
+        Pipe(
+            nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh()),
+            balance="auto",
+            devices=["cpu"] * 3,
+            sample=torch.randn(8, 4),
+        )
 
 
 def test_deferred_batch_norm_used_twice_is_refused():
@@ -140,8 +147,13 @@ def _distributed_tied(rank, world):
         refusal = None
     except ValueError as exc:
         refusal = str(exc)
-    return {"loss": float(loss), "ref": float(nn.MSELoss()(ref(x), y)), "keys": keys, "grads_ok": grads_ok,
-            "refusal": refusal}
+    return {
+        "loss": float(loss),
+        "ref": float(nn.MSELoss()(ref(x), y)),
+        "keys": keys,
+        "grads_ok": grads_ok,
+        "refusal": refusal,
+    }
 
 
 def test_distributed_pipe_keeps_a_layer_used_twice_and_refuses_it_across_stages():

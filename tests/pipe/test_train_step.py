@@ -18,8 +18,14 @@ K = 8 + 16 + 16 + 16 + 8 + 8 * 16 + 16
 def model():
     torch.manual_seed(3)
     return nn.Sequential(
-        nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Dropout(0.2),
-        nn.Tanh(), nn.Linear(16, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.LayerNorm(16),
+        nn.Linear(16, 16),
+        nn.Dropout(0.2),
+        nn.Tanh(),
+        nn.Linear(16, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
     )
 
 
@@ -62,8 +68,11 @@ def test_dropout_identical_across_schedules_and_checkpointing(name, virtual):
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     balance = [2, 2, 2, 2] if virtual == 1 else [1] * 8
     results = []
-    for sched, v, bal, ck in ((name, virtual, balance, "never"), (name, virtual, balance, "always"),
-                              ("gpipe", 1, [2, 2, 2, 2], "never")):
+    for sched, v, bal, ck in (
+        (name, virtual, balance, "never"),
+        (name, virtual, balance, "always"),
+        ("gpipe", 1, [2, 2, 2, 2], "never"),
+    ):
         pipe = Pipe(model(), balance=bal, chunks=4, checkpoint=ck)
         torch.manual_seed(9)
         loss = pipe.train_step(x, y, nn.MSELoss(), schedule=sched, virtual_stages=v)

@@ -32,8 +32,13 @@ def residual():
 
 def convnet():
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.GELU(),
-        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 5),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.GELU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 5),
     ), (3, 6, 6)
 
 
@@ -65,8 +70,9 @@ def check(model_fn, stages, chunks, checkpoint, batch):
     if stages > len(model):
         pytest.skip("more stages than layers")
     ref = copy.deepcopy(model)
-    pipe = Pipe(model, balance=balance_for(len(model), stages), devices=["cpu"] * stages, chunks=chunks,
-                checkpoint=checkpoint)
+    pipe = Pipe(
+        model, balance=balance_for(len(model), stages), devices=["cpu"] * stages, chunks=chunks, checkpoint=checkpoint
+    )
     x = make_input(shape, batch)
     xr, xp = x.clone(), x.clone()
     if x.is_floating_point():

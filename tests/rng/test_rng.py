@@ -13,8 +13,14 @@ from fastpipe.rng import TaskRNG, task_seed
 def dropout_model():
     torch.manual_seed(1)
     return nn.Sequential(
-        nn.Linear(16, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(0.5),
-        nn.Linear(32, 16), nn.AlphaDropout(0.2), nn.Linear(16, 4),
+        nn.Linear(16, 32),
+        nn.Dropout(0.3),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Dropout(0.5),
+        nn.Linear(32, 16),
+        nn.AlphaDropout(0.2),
+        nn.Linear(16, 4),
     )
 
 
@@ -128,4 +134,3 @@ def test_task_seeds_are_distinct():
     seeds = {task_seed(123, s, m) for s in range(8) for m in range(64)}
     assert len(seeds) == 8 * 64
     assert all(0 <= s < 2**63 for s in seeds)
-

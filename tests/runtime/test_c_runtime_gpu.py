@@ -205,7 +205,10 @@ def test_start_transfer_peer():
 def _run_isolated(code: str) -> subprocess.CompletedProcess[str]:
     # Outside the checkout, so the installed package (with its built _C) is imported.
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=tempfile.gettempdir(),
     )
 

@@ -25,8 +25,17 @@ from fastpipe.schedule.builders import build_for
 
 def model(p=0.0):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Dropout(p), nn.Linear(24, 24), nn.LayerNorm(24),
-                         nn.Tanh(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 6))
+    return nn.Sequential(
+        nn.Linear(12, 24),
+        nn.GELU(),
+        nn.Dropout(p),
+        nn.Linear(24, 24),
+        nn.LayerNorm(24),
+        nn.Tanh(),
+        nn.Linear(24, 24),
+        nn.ReLU(),
+        nn.Linear(24, 6),
+    )
 
 
 BALANCE = {2: [4, 5], 3: [3, 3, 3]}
@@ -67,7 +76,8 @@ def test_same_numbers_as_threaded_path(stages, simulate, checkpoint, autograd_th
     assert threaded == {f"fastpipe-worker-{s}" for s in range(stages)}
     # No worker of a "GPU" stage called autograd; CPU stages kept their own threads.
     assert set(autograd_threads) - {threading.current_thread().name} == {
-        f"fastpipe-worker-{s}" for s in range(stages) if s not in on_device}
+        f"fastpipe-worker-{s}" for s in range(stages) if s not in on_device
+    }
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -88,15 +98,15 @@ def test_matches_plain_model(checkpoint):
 def test_autocast_and_deferred_batch_norm():
     def net():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
-                             nn.BatchNorm1d(16), nn.Linear(16, 4))
+        return nn.Sequential(
+            nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+        )
 
     x = torch.randn(16, 12)
     results = []
     for simulate in (None, "all"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, gx, grads, pipe = run(net(), 2, "except_last", simulate, x, balance=[3, 3],
-                                       deferred_batch_norm=True)
+            out, gx, grads, pipe = run(net(), 2, "except_last", simulate, x, balance=[3, 3], deferred_batch_norm=True)
         assert out.dtype == torch.bfloat16
         stats = [b.running_mean.clone() for b in pipe.modules() if isinstance(b, DeferredBatchNorm)]
         results.append((out, gx, grads, stats))
@@ -114,8 +124,9 @@ def test_split_backward_schedule_inline(autograd_threads):
     schedule = build_for("zb-h1", 2, 2, 4)
     from fastpipe.runtime.worker import CallerState
 
-    outs, state = runtime.forward(schedule, mbs, grad=True, checkpoint=lambda m: False,
-                                  caller=CallerState.capture(), step_seed=1)
+    outs, state = runtime.forward(
+        schedule, mbs, grad=True, checkpoint=lambda m: False, caller=CallerState.capture(), step_seed=1
+    )
     _, grads = runtime.backward(state, [[torch.ones_like(o)] for o in outs])
     assert not any(n.startswith("fastpipe-worker") for n in autograd_threads)
     ref(torch.cat(mbs)).sum().backward()

@@ -18,6 +18,12 @@ def test_tuning_applies_once_on_glibc():
 @pytest.mark.parametrize("value, expected", [("0", "False"), ("1", str(glibc))])
 def test_env_switch(value, expected):
     code = "from fastpipe.runtime.host_alloc import tune_host_allocator; print(tune_host_allocator())"
-    out = subprocess.run([sys.executable, "-c", code], env={"FASTPIPE_TUNE_MALLOC": value, "PATH": ""},
-                         capture_output=True, text=True, check=True, cwd="/")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"FASTPIPE_TUNE_MALLOC": value, "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
     assert out.stdout.strip() == expected

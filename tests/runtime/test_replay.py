@@ -259,6 +259,7 @@ def test_unrouted_draw_warns_and_registering_routes_it():
             assert torch.equal(a, b)
     finally:
         from fastpipe.rng import RANDOM_OPS
+
         RANDOM_OPS.discard(op)
 
 
@@ -460,8 +461,12 @@ def test_torch_utils_checkpoint_inside_a_stage_replays_dropout():
 
     def once(inner_checkpoint):
         torch.manual_seed(0)
-        pipe = Pipe(nn.Sequential(nn.Linear(8, 8), Block(inner_checkpoint), nn.Linear(8, 8)), balance=[1, 2],
-                    chunks=2, checkpoint="never")
+        pipe = Pipe(
+            nn.Sequential(nn.Linear(8, 8), Block(inner_checkpoint), nn.Linear(8, 8)),
+            balance=[1, 2],
+            chunks=2,
+            checkpoint="never",
+        )
         torch.manual_seed(1)
         pipe(torch.randn(4, 8)).sum().backward()
         return pipe[0].weight.grad

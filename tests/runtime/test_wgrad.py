@@ -85,14 +85,16 @@ MLP_K = 6 + 16 + 16 + 16 + 16
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
-                         nn.ReLU(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
 
 
 @pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
-def test_pipe_gradients_equal_with_and_without_fusion(monkeypatch: pytest.MonkeyPatch, path: str,
-                                                      checkpoint: str) -> None:
+def test_pipe_gradients_equal_with_and_without_fusion(
+    monkeypatch: pytest.MonkeyPatch, path: str, checkpoint: str
+) -> None:
     x, y = torch.randn(10, 6), torch.randn(10, 3)
     grads = []
     for flag in ("0", "1"):

@@ -46,8 +46,9 @@ def _per_action_batches(s: Schedule, worker: int) -> list[Step]:
     steps: list[Step] = []
     pending: list[Op] = []
     for a in s.workers[worker]:
-        ops = pending + [Op(False, msg, s.worker_of(msg.stage + (-1 if msg.kind == "F" else 1)), worker)
-                         for msg in inputs(s, a)]
+        ops = pending + [
+            Op(False, msg, s.worker_of(msg.stage + (-1 if msg.kind == "F" else 1)), worker) for msg in inputs(s, a)
+        ]
         if ops:
             steps.append(Step(ops=tuple(ops)))
         steps.append(Step(action=a))

@@ -26,8 +26,15 @@ def test_summaries_on_a_hand_made_timeline() -> None:
 
 
 def test_split_backward_frees_at_b() -> None:
-    t = Timeline(1, [TimelineEvent(0, "0F0", 0, 1), TimelineEvent(0, "0B0", 1, 2),
-                     TimelineEvent(0, "0F1", 2, 3), TimelineEvent(0, "0W0", 3, 4)])
+    t = Timeline(
+        1,
+        [
+            TimelineEvent(0, "0F0", 0, 1),
+            TimelineEvent(0, "0B0", 1, 2),
+            TimelineEvent(0, "0F1", 2, 3),
+            TimelineEvent(0, "0W0", 3, 4),
+        ],
+    )
     assert t.peak_activations == [1]
 
 
@@ -75,14 +82,17 @@ def _drawn_xaxis(monkeypatch: pytest.MonkeyPatch, timeline: Timeline, path: Path
     return seen[0]
 
 
-@pytest.mark.parametrize("span, label, right", [(0.25, "time (ms)", 250.0), (4e-4, "time (µs)", 400.0),
-                                                (30.0, "time (s)", 30.0)])
-def test_plot_labels_the_time_axis_with_its_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, span: float,
-                                                 label: str, right: float) -> None:
+@pytest.mark.parametrize(
+    "span, label, right", [(0.25, "time (ms)", 250.0), (4e-4, "time (µs)", 400.0), (30.0, "time (s)", 30.0)]
+)
+def test_plot_labels_the_time_axis_with_its_unit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, span: float, label: str, right: float
+) -> None:
     pytest.importorskip("matplotlib")
     start, half = 10.0, span / 2  # seconds, as a runtime records them
-    measured = Timeline(2, [TimelineEvent(0, "0F0", start, start + half),
-                            TimelineEvent(1, "1F0", start + half, start + span)])
+    measured = Timeline(
+        2, [TimelineEvent(0, "0F0", start, start + half), TimelineEvent(1, "1F0", start + half, start + span)]
+    )
     xlabel, xlim = _drawn_xaxis(monkeypatch, measured, tmp_path / "measured.png")
     assert xlabel == label and xlim == pytest.approx((0.0, right))
 

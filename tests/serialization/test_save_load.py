@@ -17,8 +17,7 @@ HIDDEN = 16
 
 def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout))
-                           for _ in range(8)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout)) for _ in range(8)])
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +54,7 @@ def _load_on_two(rank: int, world: int, path: str) -> list[float]:
 
     def build_stage(stage: int) -> nn.Sequential:  # only this rank's layers, never materialised whole
         with torch.device("meta"):
-            return make_model()[4 * stage:4 * stage + 4]
+            return make_model()[4 * stage : 4 * stage + 4]
 
     pipe = DistributedPipe.from_stage_builder(build_stage, [4, 4], chunks=4, schedule="zb-h1", timeout=20)
     assert [n for n, _ in pipe.named_children()] == [str(i) for i in range(4 * rank, 4 * rank + 4)]
@@ -136,8 +135,9 @@ def test_resume_continues_the_loss_curve_bit_identically(tmp_path) -> None:
 def test_optimizer_state_is_keyed_by_parameter_name(tmp_path) -> None:
     path = str(tmp_path / "ckpt.pt")
     model = make_model()
-    opt = torch.optim.SGD([{"params": model[:4].parameters(), "lr": 0.1},
-                           {"params": model[4:].parameters(), "lr": 0.2}], momentum=0.9)
+    opt = torch.optim.SGD(
+        [{"params": model[:4].parameters(), "lr": 0.1}, {"params": model[4:].parameters(), "lr": 0.2}], momentum=0.9
+    )
     model(torch.randn(2, HIDDEN)).sum().backward()
     opt.step()
     save(model, path, opt)
