@@ -42,8 +42,8 @@ from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.param_hooks import accumulate_grads
+from fastpipe.runtime.ranks import check_same_settings, pipeline_groups
 from fastpipe.runtime.step import LossSpec, Stage
-from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
 from fastpipe.step_rules import (
@@ -61,33 +61,6 @@ from fastpipe.trace import Timeline
 __all__ = ["DistributedPipe"]
 
 StageBuilder = Callable[[int], nn.Module]
-
-
-def _check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout: float) -> None:
-    """Every rank of ``group`` must build the same pipeline: a rank with other settings would
-    expect other messages and fail only at the deadline, far from the cause."""
-    bounded_barrier(group, timeout, f"checking the {what} ranks' settings")
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, settings, group=group)
-    for key in settings:
-        values = [s[key] for s in everyone]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(
-                f"fastpipe: the {what} ranks disagree on {key} ({per_rank}); build the "
-                "DistributedPipe with the same arguments on every rank"
-            )
-
-
-def _groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
-    if mesh is not None:
-        if process_group is not None or dp_group is not None:
-            raise ValueError("fastpipe: give either mesh= or process_group=/dp_group=, not both")
-        names = tuple(mesh.mesh_dim_names or ())
-        if "pp" not in names:
-            raise ValueError(f"fastpipe: the DeviceMesh needs a dimension named 'pp' (has {names})")
-        return mesh.get_group("pp"), mesh.get_group("dp") if "dp" in names else None
-    return (process_group if process_group is not None else dist.group.WORLD), dp_group
 
 
 class DistributedPipe(nn.Module):
@@ -148,7 +121,7 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
         check_checkpoint(checkpoint)
-        group, dp = _groups(process_group, mesh, dp_group)
+        group, dp = pipeline_groups(process_group, mesh, dp_group)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         balance = list(balance)
         if len(balance) % size:
@@ -201,9 +174,9 @@ class DistributedPipe(nn.Module):
             "deferred_batch_norm": deferred_batch_norm,
             "on_nan": on_nan,
         }
-        _check_same_settings(settings, self._runtime.control_group, "pipeline", timeout)
+        check_same_settings(settings, self._runtime.control_group, "pipeline", timeout)
         if dp is not None:
-            _check_same_settings(settings, dp, "data-parallel", timeout)
+            check_same_settings(settings, dp, "data-parallel", timeout)
 
     @classmethod
     def from_stage_builder(cls, builder: StageBuilder, balance: Sequence[int], **kwargs: Any) -> DistributedPipe:
@@ -215,7 +188,7 @@ class DistributedPipe(nn.Module):
         (``with torch.device("meta"): ...``) is materialised with ``to_empty`` and every
         submodule's ``reset_parameters()``.
         """
-        group, _ = _groups(kwargs.get("process_group"), kwargs.get("mesh"), kwargs.get("dp_group"))
+        group, _ = pipeline_groups(kwargs.get("process_group"), kwargs.get("mesh"), kwargs.get("dp_group"))
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         device = torch.device(kwargs.get("device") or "cpu")
         modules: dict[int, nn.Sequential] = {}

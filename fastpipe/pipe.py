@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from fastpipe.amp import loss_scale
 from fastpipe.asynchronous.fit import FitRun
-from fastpipe.balance import auto_balance
+from fastpipe.balance.auto import resolve_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of
 from fastpipe.partition import (
@@ -137,36 +137,21 @@ class Pipe(nn.Module):
                 "(or mesh=...) on every rank instead"
             )
         module = check_module(module)
-        if balance is None:
-            raise TypeError(
-                f"fastpipe: Pipe needs balance=, the number of layers per stage summing to len(module) = "
-                f"{len(module)} (e.g. balance=[{(len(module) + 1) // 2}, {len(module) // 2}] for two stages), "
-                "or balance='auto' to plan it from a sample mini-batch (sample=x)"
-            )
         check_materialised(module)
-        check_chunks(chunks)
-        check_checkpoint(checkpoint)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
-        if not isinstance(balance, str):
-            unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
-            if unused:
-                raise TypeError(
-                    f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
-                    "balance); drop them, or pass balance='auto'"
-                )
-        if isinstance(balance, str):
-            if balance != "auto":
-                raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
-            balance = auto_balance(
-                module,
-                devices,
-                sample,
-                chunks=chunks,
-                schedule=schedule,
-                virtual_stages=virtual_stages,
-                memory_limit=memory_limit,
-            )
+        check_chunks(chunks)
+        check_checkpoint(checkpoint)
+        balance = resolve_balance(  # type: ignore[assignment]
+            module,
+            balance,
+            devices,
+            sample=sample,
+            memory_limit=memory_limit,
+            chunks=chunks,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(devices, len(balance))
         # Fail here, not at the first train_step: the schedule's name and virtual stages (any
@@ -192,9 +177,7 @@ class Pipe(nn.Module):
         stage_modules = split(module, balance)
         for stage, device in zip(stage_modules, device_list):
             stage.to(device)
-        self._stages = [
-            Stage(m, d, clone_input=first_layer_in_place(m)) for i, (m, d) in enumerate(zip(stage_modules, device_list))
-        ]
+        self._stages = [Stage(m, d, clone_input=first_layer_in_place(m)) for m, d in zip(stage_modules, device_list)]
         self._runtime = LocalRuntime(self._stages, recorder=None)
         weakref.finalize(self, self._runtime.close)
 

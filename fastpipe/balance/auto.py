@@ -20,7 +20,7 @@ from fastpipe.balance.profile import LayerProfile, profile_layers
 from fastpipe.partition import resolve_devices, tied_blocks
 from fastpipe.schedule import ScheduleError, build, simulate
 
-__all__ = ["auto_balance"]
+__all__ = ["auto_balance", "resolve_balance"]
 
 
 def auto_balance(
@@ -118,3 +118,47 @@ def _layer_memory(
         raise BalanceError(str(exc)) from exc
     in_flight = max(simulate(sched).peak_activations)
     return [a * in_flight + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
+
+
+def resolve_balance(
+    module: nn.Sequential,
+    balance: object,
+    devices: Sequence[object] | None,
+    *,
+    sample: object,
+    memory_limit: float | None,
+    chunks: int,
+    schedule: str,
+    virtual_stages: int,
+) -> object:
+    """What ``Pipe``'s ``balance=`` asks for: a list as given (checked later), or the one ``"auto"`` plans.
+
+    Raises:
+        TypeError: ``balance`` is missing or another string, or ``sample``/``memory_limit`` come
+            without ``balance="auto"``, which they are for.
+    """
+    if balance is None:
+        raise TypeError(
+            f"fastpipe: Pipe needs balance=, the number of layers per stage summing to len(module) = "
+            f"{len(module)} (e.g. balance=[{(len(module) + 1) // 2}, {len(module) // 2}] for two stages), "
+            "or balance='auto' to plan it from a sample mini-batch (sample=x)"
+        )
+    if not isinstance(balance, str):
+        unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
+        if unused:
+            raise TypeError(
+                f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
+                "balance); drop them, or pass balance='auto'"
+            )
+        return balance
+    if balance != "auto":
+        raise TypeError(f"fastpipe: balance must be a list of layer counts or 'auto', got {balance!r}")
+    return auto_balance(
+        module,
+        devices,
+        sample,
+        chunks=chunks,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        memory_limit=memory_limit,
+    )

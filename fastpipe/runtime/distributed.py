@@ -13,7 +13,6 @@ plan of :mod:`fastpipe.schedule.ordered`). Every rank raises
 from __future__ import annotations
 
 import datetime
-import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +30,7 @@ from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
+from fastpipe.runtime.ranks import check_nccl_device, order_matched
 from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
@@ -103,9 +103,9 @@ class DistributedRuntime:
         # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
         # init_process_group() without backend=, which reports "undefined").
         backend = backend_for(self.group, device)
-        self.ordered = _ordered(backend)
+        self.ordered = order_matched(backend)
         if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
-            _check_nccl_device(device)
+            check_nccl_device(device)
         if store is None:
             try:
                 store = dist.distributed_c10d._get_default_store()
@@ -371,32 +371,3 @@ def _where(action: Action | None, ahead: Sequence[Action], step: int) -> str:
     if action is not None:
         return f"stage {action.stage}, micro-batch {action.microbatch} (step {step}, action {action})"
     return f"posting transfers before {ahead[0] if ahead else 'the end of the step'} (step {step})"
-
-
-def _ordered(backend: str) -> bool:
-    """Whether payloads must be matched by order: always on NCCL; on request (``FASTPIPE_P2P=ordered``) elsewhere.
-
-    The request exists to run the NCCL code path on gloo (tests, dry runs on CPU hosts).
-    """
-    mode = os.environ.get("FASTPIPE_P2P", "")
-    if mode not in ("", "tags", "ordered"):
-        raise ValueError(f"fastpipe: FASTPIPE_P2P={mode!r}; use 'ordered' or 'tags', or leave it unset")
-    if backend == "nccl" and mode == "tags":
-        raise ValueError("fastpipe: FASTPIPE_P2P=tags cannot work on NCCL, which ignores tags; unset it")
-    return backend == "nccl" or mode == "ordered"
-
-
-def _check_nccl_device(device: torch.device) -> None:
-    """NCCL moves CUDA tensors of the current device only; anything else hangs or fails late."""
-    if device.type != "cuda":
-        raise ValueError(
-            f"fastpipe: an NCCL pipeline group moves CUDA tensors, but this rank's stages are on "
-            f"{device}; place them on this rank's GPU, or use a gloo group for CPU stages"
-        )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index != torch.cuda.current_device():
-        raise ValueError(
-            f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
-            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
-            "building the pipeline (NCCL's batched send/receive hangs otherwise)"
-        )

@@ -90,19 +90,19 @@ def test_plan_of_a_deadlocking_schedule_raises() -> None:
 
 
 def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastpipe.runtime.distributed import _check_nccl_device, _ordered
+    from fastpipe.runtime.ranks import check_nccl_device, order_matched
 
     with pytest.raises(ValueError, match="CUDA tensors.*gloo group for CPU stages"):
-        _check_nccl_device(torch.device("cpu"))
+        check_nccl_device(torch.device("cpu"))
     monkeypatch.setenv("FASTPIPE_P2P", "tags")
     with pytest.raises(ValueError, match="ignores tags"):
-        _ordered("nccl")
-    assert _ordered("gloo") is False
+        order_matched("nccl")
+    assert order_matched("gloo") is False
     monkeypatch.setenv("FASTPIPE_P2P", "fifo")
     with pytest.raises(ValueError, match="'ordered' or 'tags'"):
-        _ordered("gloo")
+        order_matched("gloo")
     monkeypatch.delenv("FASTPIPE_P2P")
-    assert _ordered("nccl") is True and _ordered("gloo") is False
+    assert order_matched("nccl") is True and order_matched("gloo") is False
 
 
 def test_format_plan_shows_batches_between_actions() -> None:

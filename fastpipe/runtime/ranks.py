@@ -1,0 +1,74 @@
+"""What a pipeline's ranks must agree on before the first step, checked where a mistake is cheap.
+
+A rank with other settings, another transport or a misplaced GPU would expect other messages
+and fail only at the deadline, far from the cause; these checks name the cause at set-up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastpipe.runtime.watchdog import bounded_barrier
+
+__all__ = ["check_nccl_device", "check_same_settings", "order_matched", "pipeline_groups"]
+
+
+def check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout: float) -> None:
+    """Every rank of ``group`` must build the same pipeline: a rank with other settings would
+    expect other messages and fail only at the deadline, far from the cause."""
+    bounded_barrier(group, timeout, f"checking the {what} ranks' settings")
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, settings, group=group)
+    for key in settings:
+        values = [s[key] for s in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(
+                f"fastpipe: the {what} ranks disagree on {key} ({per_rank}); build the "
+                "DistributedPipe with the same arguments on every rank"
+            )
+
+
+def pipeline_groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
+    """The pipeline group and the data-parallel group (or None), from groups or a 2-D ``DeviceMesh``."""
+    if mesh is not None:
+        if process_group is not None or dp_group is not None:
+            raise ValueError("fastpipe: give either mesh= or process_group=/dp_group=, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if "pp" not in names:
+            raise ValueError(f"fastpipe: the DeviceMesh needs a dimension named 'pp' (has {names})")
+        return mesh.get_group("pp"), mesh.get_group("dp") if "dp" in names else None
+    return (process_group if process_group is not None else dist.group.WORLD), dp_group
+
+
+def order_matched(backend: str) -> bool:
+    """Whether payloads must be matched by order: always on NCCL; on request (``FASTPIPE_P2P=ordered``) elsewhere.
+
+    The request exists to run the NCCL code path on gloo (tests, dry runs on CPU hosts).
+    """
+    mode = os.environ.get("FASTPIPE_P2P", "")
+    if mode not in ("", "tags", "ordered"):
+        raise ValueError(f"fastpipe: FASTPIPE_P2P={mode!r}; use 'ordered' or 'tags', or leave it unset")
+    if backend == "nccl" and mode == "tags":
+        raise ValueError("fastpipe: FASTPIPE_P2P=tags cannot work on NCCL, which ignores tags; unset it")
+    return backend == "nccl" or mode == "ordered"
+
+
+def check_nccl_device(device: torch.device) -> None:
+    """NCCL moves CUDA tensors of the current device only; anything else hangs or fails late."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"fastpipe: an NCCL pipeline group moves CUDA tensors, but this rank's stages are on "
+            f"{device}; place them on this rank's GPU, or use a gloo group for CPU stages"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch.cuda.current_device():
+        raise ValueError(
+            f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
+            "building the pipeline (NCCL's batched send/receive hangs otherwise)"
+        )
