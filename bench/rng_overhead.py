@@ -1,15 +1,15 @@
 """Host time that the task RNG adds to a step of a model with many tiny layers.
 
 A ``TorchFunctionMode`` intercepts every op of its thread, so routing random ops through
-one costs host time on every op (issue 10 measured +38% on a 150-layer model). fastpipe
-now installs it only on stages that could draw (fastpipe.rng.may_draw). This script times,
+one costs host time on every op: +38% on a 150-layer model when every stage had it. fastpipe
+installs it only on stages that could draw (fastpipe.rng.may_draw). This script times,
 in one run and interleaved round-robin, one ``Pipe.forward`` + ``backward`` step of
 75 × (Linear(16, 16), ReLU) on 2 CPU stages with chunks=4:
 
 * ``scoped``: the shipped behaviour (these stages cannot draw: no mode);
-* ``mode``: the mode forced onto every stage (what every stage paid before);
+* ``mode``: the mode forced onto every stage (what every stage would pay without the scoping);
 * ``dropout``: the same model with one ``nn.Dropout`` per stage, i.e. the cost a stage with
-  random layers pays now (the mode, and a locked swap per draw);
+  random layers pays (the mode, and a locked swap per draw);
 * ``plain``: the plain Sequential over the same 4 micro-batches, one after another.
 
 Usage::
