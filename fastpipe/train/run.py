@@ -18,124 +18,35 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fastpipe.asynchronous import POLICIES, fit
-from fastpipe.pipe import CHECKPOINT_MODES, Pipe
+from fastpipe.asynchronous import FitRun, fit
+from fastpipe.pipe import Pipe
+from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep
 from fastpipe.trace import Timeline
+from fastpipe.train.evaluate import evaluate, sample_text
 from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses, traced_window
 from fastpipe.train.meter import ActivationMeter
 from fastpipe.train.model import GPTConfig, LMHead, LMLoss, build_gpt
+from fastpipe.train.options import (
+    ASYNC,
+    CURVE_KEYS,
+    STEP_RUNNERS,
+    StepRunner,
+    TrainError,
+    add_arguments,
+    check_arguments,
+)
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, load_run, save_run
-from fastpipe.train.textdata import VOCAB, Corpus, decode, encode, load_corpus, unigram_entropy
+from fastpipe.train.textdata import VOCAB, Corpus, load_corpus, unigram_entropy
 
-__all__ = ["ASYNC", "add_arguments", "run", "STEP_RUNNERS", "TrainError"]
-
-StepRunner = Callable[[Pipe, Tensor, Tensor, LMLoss, bool], Tensor]
-
-
-def _train_step(name: str, virtual_stages: int = 1) -> StepRunner:
-    def step(pipe: Pipe, x: Tensor, y: Tensor, loss_fn: LMLoss, trace: bool) -> Tensor:
-        return pipe.train_step(x, y, loss_fn, schedule=name, virtual_stages=virtual_stages, trace=trace)
-
-    return step
-
-
-# How each synchronous --schedule runs one step, and its stages per worker. The
-# asynchronous schedule (ASYNC) is not a step: fastpipe.asynchronous.fit owns the optimizer
-# step and yields one loss per mini-batch (see fastpipe.train.loop).
-STEP_RUNNERS: dict[str, tuple[StepRunner, int]] = {
-    "gpipe": (_train_step("gpipe"), 1),
-    "1f1b": (_train_step("1f1b"), 1),
-    "interleaved": (_train_step("interleaved", 2), 2),
-    "zb-h1": (_train_step("zb-h1"), 1),
-}
-ASYNC = "async"  # XPipe-style streams of mini-batches without a flush, in windows
-DEFAULT_CONSISTENCY = "predict"
-DEFAULT_WINDOW = 10
-
-# Settings that change the loss curve: a resumed run must keep them.
-_CURVE_KEYS = (
-    "model",
-    "batch",
-    "chunks",
-    "stages",
-    "schedule",
-    "checkpoint",
-    "seed",
-    "lr",
-    "warmup",
-    "consistency",
-    "window",
-)
-
-
-class TrainError(ValueError):
-    """A flag combination that cannot run; the message says what to change."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``fastpipe train`` flags."""
-    p.add_argument(
-        "--schedule",
-        default="1f1b",
-        choices=[*STEP_RUNNERS, ASYNC],
-        help=f"pipeline schedule; {ASYNC}: mini-batches stream without a flush and each stage updates "
-        "its weights as soon as it has its gradient (XPipe), through fastpipe.asynchronous.fit",
-    )
-    p.add_argument(
-        "--consistency",
-        default=None,
-        choices=POLICIES,
-        help=f"with --schedule {ASYNC}: which weights a micro-batch runs on (default "
-        f"{DEFAULT_CONSISTENCY}: XPipe weight prediction; sync flushes every mini-batch)",
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"with --schedule {ASYNC}: mini-batches between pipeline drains, the only exact save "
-        f"points (default {DEFAULT_WINDOW})",
-    )
-    p.add_argument(
-        "--stages", type=int, default=None, help="pipeline workers (default: one per visible GPU, else 2 CPU stages)"
-    )
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
-    p.add_argument(
-        "--checkpoint",
-        default="never",
-        choices=CHECKPOINT_MODES,
-        help="recompute activations in backward instead of keeping them",
-    )
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run stops here too)")
-    p.add_argument("--batch", type=int, default=32, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
-    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: max(4, stages))")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the blocks")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=30, help="steps of linear warm-up, then 1/sqrt decay")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the batches and dropout")
-    p.add_argument("--out", default="fastpipe-train", help="folder for the report, plots and trace")
-    p.add_argument("--save", default=None, metavar="DIR", help="save a resumable checkpoint here")
-    p.add_argument(
-        "--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: only at the end)"
-    )
-    p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
-    p.add_argument("--sample-chars", type=int, default=240, help="characters of sampled text")
-    p.add_argument(
-        "--data", default=None, metavar="DIR", help="read the .py files of DIR instead of the standard library"
-    )
-    p.add_argument("--max-chars", type=int, default=None, help="read at most this many training characters")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+__all__ = ["lr_at", "main", "run"]
 
 
 def lr_at(step: int, peak: float, warmup: int) -> float:
@@ -144,63 +55,47 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
     return peak * min(n / max(warmup, 1), math.sqrt(max(warmup, 1) / n))
 
 
-def _check(args: argparse.Namespace, layers: int, virtual: int) -> None:
-    for name in ("stages", "chunks", "steps", "batch", "seq_len", "dim", "heads", "eval_batches"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.chunks > args.batch:
-        raise TrainError(
-            f"--chunks {args.chunks} is more than --batch {args.batch}: each micro-batch needs at "
-            "least one sequence; lower --chunks or raise --batch"
-        )
-    if args.stages * virtual > layers:
-        raise TrainError(
-            f"--stages {args.stages} with schedule {args.schedule!r} needs {args.stages * virtual} "
-            f"pipeline stages but the model has {layers} transformer blocks; raise --layers to at least "
-            f"{args.stages * virtual} or lower --stages"
-        )
-    if args.schedule == "interleaved" and args.chunks % args.stages:
-        raise TrainError(
-            f"--schedule interleaved needs --chunks to be a multiple of --stages ({args.stages}); got {args.chunks}"
-        )
-    if args.dim % args.heads:
-        raise TrainError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    if not 0.0 <= args.dropout < 1.0:
-        raise TrainError(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.save_every < 0 or args.warmup < 0 or args.lr <= 0:
-        raise TrainError("--save-every and --warmup must be >= 0 and --lr > 0")
-    if args.save_every and not args.save:
-        raise TrainError("--save-every needs --save DIR")
-    _check_async(args)
+@dataclass
+class _Job:
+    """What a run builds before its first step (see :func:`_build`)."""
 
+    args: argparse.Namespace
+    runner: StepRunner | None  # None: --schedule async, through fit
+    virtual: int  # pipeline stages per worker
+    devices: list[torch.device]  # one per pipeline stage
+    autocast: Callable[[], Any]
+    corpus: Corpus
+    pipe: Pipe
+    head: LMHead
+    loss_fn: LMLoss
+    opt: torch.optim.Optimizer
+    settings: dict[str, Any]  # saved with a checkpoint and written to the report
 
-def _check_async(args: argparse.Namespace) -> None:
-    """Resolves --consistency and --window (only for the asynchronous schedule)."""
-    if args.schedule != ASYNC:
-        for flag, value in (("--consistency", args.consistency), ("--window", args.window)):
-            if value is not None:
-                raise TrainError(
-                    f"{flag} applies to --schedule {ASYNC} only (the synchronous schedules flush "
-                    f"every step); drop it or pass --schedule {ASYNC}"
-                )
-        return
-    args.consistency = args.consistency or DEFAULT_CONSISTENCY
-    args.window = DEFAULT_WINDOW if args.window is None else args.window
-    if args.window < 1:
-        raise TrainError(f"--window must be >= 1 (mini-batches between drains), got {args.window}")
-    # Only a drained point is exact, and only the uninterrupted run's drains continue the same curve.
-    if args.save_every % args.window:
-        raise TrainError(
-            f"--save-every {args.save_every} is not a multiple of --window {args.window}: "
-            f"--schedule {ASYNC} can save only where the pipeline drains, every --window steps"
-        )
-    if args.save and args.steps % args.window:
-        raise TrainError(
-            f"--save with --schedule {ASYNC} needs --steps to be a multiple of --window "
-            f"{args.window} (got {args.steps}): the final save must be a window boundary for a "
-            "resumed run to continue exactly"
-        )
+    @property
+    def first(self) -> torch.device:
+        """Where the inputs go: the first stage's device."""
+        return self.devices[0]
+
+    @property
+    def last(self) -> torch.device:
+        """Where the targets go: the last stage's device."""
+        return self.devices[(len(self.devices) - 1) % self.args.stages]
+
+    @property
+    def tokens(self) -> int:
+        """Characters per step."""
+        return self.args.batch * self.args.seq_len
+
+    def batches(self, start: int, stop: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """The training batches of steps ``start`` to ``stop``, on the first and the last stage's device."""
+        args = self.args
+        for step in range(start, stop):  # the data of step n is a function of n: resumes need no data state
+            x, y = self.corpus.batch("train", args.batch, args.seq_len, args.seed, step)
+            yield x.to(self.first), y.to(self.last)
+
+    def lr(self, step: int) -> float:
+        """The learning rate of ``step``."""
+        return lr_at(step, self.args.lr, self.args.warmup)
 
 
 def _balance(layers: int, stages: int) -> list[int]:
@@ -213,87 +108,21 @@ def _balance(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def _forward_layers(pipe: Pipe, x: Tensor) -> Tensor:
-    """The model's output through each stage in turn, in this thread (sampling, one sequence)."""
-    for stage, device in zip(pipe.partitions, pipe.devices):
-        x = stage(x.to(device))
-    return x
-
-
-@torch.no_grad()
-def sample_text(pipe: Pipe, head: LMHead, prompt: str, chars: int, seq_len: int, seed: int) -> str:
-    """``chars`` characters after ``prompt``, drawn at temperature 0.8 from the model."""
-    g = torch.Generator().manual_seed(seed)
-    ids = encode(prompt)[None]
-    was_training = pipe.training
-    pipe.eval()  # no dropout while sampling
-    try:
-        for _ in range(chars):
-            h = _forward_layers(pipe, ids[:, -seq_len:])
-            logits = head.logits(h[:, -1].float()).float().cpu()
-            nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g)
-            ids = torch.cat([ids, nxt], dim=1)
-    finally:
-        pipe.train(was_training)
-    return prompt + decode(ids[0, len(prompt) :])
-
-
-@torch.no_grad()
-def evaluate(
-    pipe: Pipe,
-    loss_fn: LMLoss,
-    corpus: Corpus,
-    args: argparse.Namespace,
-    autocast: Any,
-    first: torch.device,
-    last: torch.device,
-) -> float:
-    """Mean validation loss over ``--eval-batches`` fixed batches (the same for every run)."""
-    pipe.eval()
-    total = 0.0
-    for i in range(args.eval_batches):
-        x, y = corpus.batch("val", args.batch, args.seq_len, args.seed, i)
-        with autocast():
-            h = pipe(x.to(first))
-            total += float(loss_fn(h, y.to(last)))
-    pipe.train()
-    return total / args.eval_batches
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains as ``args`` say; returns the report (also written to ``args.out``)."""
-    gpus = torch.cuda.device_count()
-    args.stages = args.stages if args.stages is not None else (gpus or 2)
-    runner, virtual = STEP_RUNNERS.get(args.schedule, (None, 1))
-    layers = args.layers if args.layers is not None else max(4, args.stages * virtual)
-    args.layers = layers
-    _check(args, layers, virtual)
+def _placement(gpus: int, stages: int, virtual: int) -> tuple[list[torch.device], Callable[[], Any]]:
+    """Each pipeline stage's device, and the autocast the steps run under (bf16 on GPUs)."""
     if gpus:
-        devices = [torch.device("cuda", i % gpus) for i in range(args.stages * virtual)]
+        devices = [torch.device("cuda", i % gpus) for i in range(stages * virtual)]
         autocast: Callable[[], Any] = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     else:
-        devices = [torch.device("cpu")] * (args.stages * virtual)
+        devices = [torch.device("cpu")] * (stages * virtual)
         autocast = contextlib.nullcontext
         torch.set_num_threads(1)  # one core per stage worker
     # Interleaved: stage s runs on worker s % workers, so devices follow the workers.
-    devices = [devices[s % args.stages] for s in range(args.stages * virtual)]
+    return [devices[s % stages] for s in range(stages * virtual)], autocast
 
-    corpus = load_corpus(args.data, max_chars=args.max_chars)
-    cfg = GPTConfig(VOCAB, args.seq_len, layers, args.dim, args.heads, args.dropout)
-    # The asynchronous stream is 1F1B's order without the flush.
-    pipe = Pipe(
-        build_gpt(cfg, args.seed),
-        balance=_balance(layers, args.stages * virtual),
-        devices=devices,
-        chunks=args.chunks,
-        checkpoint=args.checkpoint,
-        virtual_stages=virtual,
-        schedule="1f1b" if runner is None else args.schedule,
-    )
-    head = pipe[len(pipe) - 1]
-    assert isinstance(head, LMHead)
-    loss_fn = LMLoss(head)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+def _settings(args: argparse.Namespace, cfg: GPTConfig, streamed: bool) -> dict[str, Any]:
+    """The run's configuration; a resumed run must keep its :data:`~.options.CURVE_KEYS`."""
     settings = {
         "model": cfg.to_dict(),
         "batch": args.batch,
@@ -305,55 +134,102 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr,
         "warmup": args.warmup,
     }
-    if runner is None:
+    if streamed:
         settings.update(consistency=args.consistency, window=args.window)
-    history: list[float] = []
-    start_step = 0
+    return settings
+
+
+def _build(args: argparse.Namespace) -> _Job:
+    """Fills in the default stages and layers, checks the flags, and builds the corpus, the Pipe and AdamW."""
+    gpus = torch.cuda.device_count()
+    args.stages = args.stages if args.stages is not None else (gpus or 2)
+    runner, virtual = STEP_RUNNERS.get(args.schedule, (None, 1))
+    args.layers = args.layers if args.layers is not None else max(4, args.stages * virtual)
+    check_arguments(args, args.layers, virtual)
+    devices, autocast = _placement(gpus, args.stages, virtual)
+
+    corpus = load_corpus(args.data, max_chars=args.max_chars)
+    cfg = GPTConfig(VOCAB, args.seq_len, args.layers, args.dim, args.heads, args.dropout)
+    # The asynchronous stream is 1F1B's order without the flush.
+    pipe = Pipe(
+        build_gpt(cfg, args.seed),
+        balance=_balance(args.layers, args.stages * virtual),
+        devices=devices,
+        chunks=args.chunks,
+        checkpoint=args.checkpoint,
+        virtual_stages=virtual,
+        schedule="1f1b" if runner is None else args.schedule,
+    )
+    head = pipe[len(pipe) - 1]
+    assert isinstance(head, LMHead)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    return _Job(
+        args,
+        runner,
+        virtual,
+        devices,
+        autocast,
+        corpus,
+        pipe,
+        head,
+        LMLoss(head),
+        opt,
+        _settings(args, cfg, streamed=runner is None),
+    )
+
+
+def _start(job: _Job) -> tuple[list[float], int]:
+    """Seeds the run; returns the losses so far and the first step: none and 0, or those of ``--resume``."""
+    args = job.args
     torch.manual_seed(args.seed)  # the Pipe draws each step's (fit: each window's) dropout seed from this generator
-    if args.resume:
-        record = load_run(args.resume, pipe, opt)
-        check_compatible(record["settings"], settings, _CURVE_KEYS)
-        history = list(record["history"])
-        start_step = int(record["step"])
-        if start_step > args.steps:
-            raise TrainError(f"--resume {args.resume} is at step {start_step}, past --steps {args.steps}")
+    if not args.resume:
+        return [], 0
+    record = load_run(args.resume, job.pipe, job.opt)
+    check_compatible(record["settings"], job.settings, CURVE_KEYS)
+    start_step = int(record["step"])
+    if start_step > args.steps:
+        raise TrainError(f"--resume {args.resume} is at step {start_step}, past --steps {args.steps}")
+    return list(record["history"]), start_step
 
-    first, last = devices[0], devices[(len(devices) - 1) % args.stages]
-    tokens = args.batch * args.seq_len
 
-    def batches(start: int, stop: int) -> Iterator[tuple[Tensor, Tensor]]:
-        for step in range(start, stop):  # the data of step n is a function of n: resumes need no data state
-            x, y = corpus.batch("train", args.batch, args.seq_len, args.seed, step)
-            yield x.to(first), y.to(last)
+def _losses(job: _Job, start: int) -> tuple[Iterator[Tensor], FitRun | None]:
+    """One loss per step from ``start`` to ``--steps``, and fit's run under ``--schedule async``."""
+    args = job.args
+    batches = job.batches(start, args.steps)
+    if job.runner is not None:
+        return sync_losses(job.pipe, job.opt, job.runner, job.loss_fn, batches, start, job.lr, job.autocast), None
+    fit_run = fit(
+        job.pipe,
+        batches,
+        job.loss_fn,
+        job.opt,
+        consistency=args.consistency,
+        scheduler=step_scheduler(job.opt, start, job.lr),
+        window=args.window,
+        trace=False,
+    )
+    return fit_losses(fit_run, job.autocast), fit_run
 
-    def lr(step: int) -> float:
-        return lr_at(step, args.lr, args.warmup)
 
-    fit_run = None
-    if runner is None:
-        fit_run = fit(
-            pipe,
-            batches(start_step, args.steps),
-            loss_fn,
-            opt,
-            consistency=args.consistency,
-            scheduler=step_scheduler(opt, start_step, lr),
-            window=args.window,
-            trace=False,
-        )
-        losses = fit_losses(fit_run, autocast)
-    else:
-        losses = sync_losses(pipe, opt, runner, loss_fn, batches(start_step, args.steps), start_step, lr, autocast)
+def _train(job: _Job, history: list[float], start: int) -> tuple[float | None, FitRun | None]:
+    """Trains from step ``start`` to ``--steps``, appending each loss to ``history`` and saving as asked.
+
+    Returns:
+        The tokens per second after the first step (``--schedule async``: window), None when no
+        step came after it, and fit's run (``--schedule async``) or None.
+    """
+    args = job.args
+    losses, fit_run = _losses(job, start)
     # fit yields a window's losses together: time from the end of the first window (a step for
     # the synchronous schedules), where the process has warmed up, so both count whole windows.
-    warm = args.window if runner is None else 1
+    warm = args.window if job.runner is None else 1
     from tqdm import tqdm
 
     bar = tqdm(
-        range(start_step, args.steps),
+        range(start, args.steps),
         desc="fastpipe train",
         unit="step",
-        initial=start_step,
+        initial=start,
         total=args.steps,
         disable=args.no_progress,
         file=sys.stderr,
@@ -363,38 +239,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         value = float(next(losses))
         elapsed = time.perf_counter() - t0
-        if step >= start_step + warm:
+        if step >= start + warm:
             timed += elapsed
             timed_steps += 1
         history.append(value)
         if not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at step {step + 1}; lower --lr")
-        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens * timed_steps / timed:,.0f}" if timed else "-")
+        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{job.tokens * timed_steps / timed:,.0f}" if timed else "-")
         done = step + 1
-        # Under ASYNC, --save-every and --steps are multiples of --window (see _check_async): drained points.
+        # Under ASYNC, --save-every and --steps are multiples of --window (see .options): drained points.
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
-            save_run(args.save, pipe, opt, done, {"settings": settings, "history": history})
+            save_run(args.save, job.pipe, job.opt, done, {"settings": job.settings, "history": history})
     bar.close()
+    return (job.tokens * timed_steps / timed if timed else None), fit_run
 
-    val_loss = evaluate(pipe, loss_fn, corpus, args, autocast, first, last)
-    # One more step (ASYNC: window), traced and metered, whose updates are thrown away: the
-    # timeline and the activation peaks come from a step like the others without changing the run.
-    meter = ActivationMeter(pipe.partitions)
+
+class _Profile(NamedTuple):
+    """The traced extra step of the report."""
+
+    timeline: Timeline
+    traced: str  # what it ran, in words
+    schedule: str | Schedule  # what the simulator prices with the measured costs
+    memory: dict[str, Any]
+
+
+def _profile(job: _Job, fit_run: FitRun | None) -> _Profile:
+    """One more step (ASYNC: window), traced and metered, whose updates are thrown away.
+
+    The timeline and the activation peaks then come from a step like the others without
+    changing the run.
+    """
+    args = job.args
+    meter = ActivationMeter(job.pipe.partitions)
     memory: dict[str, Any] = {}
     timeline: Timeline | None
-    if runner is None:
+    if job.runner is None:
         traced = f"one window of {args.window} mini-batches, {ASYNC}/{args.consistency} (1F1B stream)"
-        simulated: Any = build_multistep(args.stages, args.chunks, args.window, flush=args.consistency == "sync")
+        simulated: str | Schedule = build_multistep(
+            args.stages, args.chunks, args.window, flush=args.consistency == "sync"
+        )
         timeline, copies = traced_window(
-            pipe,
-            opt,
-            loss_fn,
-            batches(args.steps, args.steps + args.window),
+            job.pipe,
+            job.opt,
+            job.loss_fn,
+            job.batches(args.steps, args.steps + args.window),
             consistency=args.consistency,
             window=args.window,
             start=args.steps,
-            lr_at=lr,
-            context=lambda: _both(meter, autocast()),
+            lr_at=job.lr,
+            context=lambda: _both(meter, job.autocast()),
         )
         assert fit_run is not None
         # Kept at once, per stage: the predicted or stashed weight versions (also among the
@@ -403,33 +296,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memory["weight_copy_bound_per_stage"] = [fit_run.weight_copy_bound[s] for s in sorted(copies)]
     else:
         traced, simulated = f"one step of {args.schedule}", args.schedule
-        x, y = next(batches(args.steps, args.steps + 1))
-        opt.zero_grad(set_to_none=True)
-        with meter, autocast():
-            runner(pipe, x, y, loss_fn, True)
-        opt.zero_grad(set_to_none=True)
-        timeline = pipe.last_timeline
+        x, y = next(job.batches(args.steps, args.steps + 1))
+        job.opt.zero_grad(set_to_none=True)
+        with meter, job.autocast():
+            job.runner(job.pipe, x, y, job.loss_fn, True)
+        job.opt.zero_grad(set_to_none=True)
+        timeline = job.pipe.last_timeline
     assert timeline is not None
-    memory = {"activation_bytes_per_stage": meter.peaks, **memory}
-    sample = sample_text(pipe, head, "def ", args.sample_chars, args.seq_len, args.seed)
-    if gpus:
+    return _Profile(timeline, traced, simulated, {"activation_bytes_per_stage": meter.peaks, **memory})
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains as ``args`` say; returns the report (also written to ``args.out``)."""
+    job = _build(args)
+    history, start_step = _start(job)
+    tokens_per_s, fit_run = _train(job, history, start_step)
+    val_loss = evaluate(job.pipe, job.loss_fn, job.corpus, args, job.autocast, job.first, job.last)
+    profile = _profile(job, fit_run)
+    sample = sample_text(job.pipe, job.head, "def ", args.sample_chars, args.seq_len, args.seed)
+    memory = profile.memory
+    if job.first.type == "cuda":
         memory["max_memory_allocated_per_device"] = {
-            str(d): torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices)
+            str(d): torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(job.devices)
         }
+    corpus = job.corpus
     return write_report(
         args.out,
-        settings=settings,
+        settings=job.settings,
         history=history,
         start_step=start_step,
         val_loss=val_loss,
         unigram=unigram_entropy(corpus.train, corpus.val),
-        tokens_per_s=tokens * timed_steps / timed if timed else None,
-        timeline=timeline,
-        traced=traced,
-        schedule=simulated,
+        tokens_per_s=tokens_per_s,
+        timeline=profile.timeline,
+        traced=profile.traced,
+        schedule=profile.schedule,
         workers=args.stages,
         microbatches=min(args.chunks, args.batch),
-        virtual=virtual,
+        virtual=job.virtual,
         memory=memory,
         sample=sample,
         corpus={
@@ -438,15 +348,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "train_chars": len(corpus.train),
             "val_chars": len(corpus.val),
         },
-        devices=[str(d) for d in devices],
-        parameters=sum(p.numel() for p in pipe.parameters()),
+        devices=[str(d) for d in job.devices],
+        parameters=sum(p.numel() for p in job.pipe.parameters()),
     )
-
-
-@contextlib.contextmanager
-def _both(first: Any, second: Any) -> Iterator[None]:
-    with first, second:
-        yield
 
 
 def main(argv: Sequence[str] | None = None) -> int:
