@@ -131,7 +131,7 @@ def resolve_balance(
     schedule: str,
     virtual_stages: int,
 ) -> object:
-    """What ``Pipe``'s ``balance=`` asks for: a list as given (``check_balance`` checks it), or the one ``"auto"`` plans.
+    """What ``Pipe``'s ``balance=`` asks for: a list as given (``check_balance`` checks it) or the one "auto" plans.
 
     Raises:
         TypeError: ``balance`` is missing or another string, or ``sample``/``memory_limit`` come
