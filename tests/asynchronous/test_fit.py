@@ -10,7 +10,7 @@ import torch
 from _fit_resume import whole_and_resumed
 from torch import Tensor, nn
 
-from fastpipe import Pipe
+from fastpipe import Pipe, microbatch
 from fastpipe.asynchronous import predict_weights, update_direction, weight_copy_bytes
 from fastpipe.asynchronous.weights import StageWeights
 from fastpipe.schedule import ScheduleError
@@ -461,7 +461,9 @@ def test_local_virtual_stages(consistency: str) -> None:
         assert virtual_run.weight_copy_bound != flat_run.weight_copy_bound
 
 
-def test_virtual_stages_refuse_a_short_last_mini_batch_clearly() -> None:
+def test_virtual_stages_refuse_a_short_last_mini_batch_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The warning comes once per (batch, chunks) in a process: forget any earlier test's.
+    monkeypatch.setattr(microbatch, "_warned", set())
     pipe = Pipe(model(), balance=[2, 2, 2, 1], chunks=2, schedule="interleaved", virtual_stages=2)
     before = [p.detach().clone() for p in pipe.parameters()]
     batches = data(2) + [(torch.randn(1, 8), torch.randn(1, 4))]  # 1 row: one micro-batch, not a multiple of 2
