@@ -52,8 +52,9 @@ from fastpipe.step_rules import (
     check_chunks,
     check_loss_fn,
     checkpoint_predicate,
-    loss_reduction,
     loss_weights,
+    microbatch_loss,
+    microbatch_weights,
     split_targets,
 )
 from fastpipe.trace import Timeline
@@ -291,14 +292,16 @@ class DistributedPipe(nn.Module):
         targets: list[Any] = [None] * count
         if self.is_last:
             try:
-                targets = split_targets(_to(target, self.device), self.chunks, sizes)
-                loss_reduction(loss_fn, "train_step")
+                split = split_targets(target, self.chunks, sizes)
+                # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
+                weights = microbatch_weights(loss_fn, split, sizes, "train_step")
+                targets = [_to(t, self.device) for t in split]
             except BaseException as exc:
                 stage = len(self.balance) - 1
                 runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised {type(exc).__name__}: {exc}")
                 raise
-        # Every rank weighs alike; only the last one, which runs the loss, refuses a bad reduction.
-        weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
+        else:  # only the last rank runs the loss, so only its weights count
+            weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
         sched = build_for(self.schedule, len(self.balance), runtime.size, count)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, count)
 
@@ -307,7 +310,7 @@ class DistributedPipe(nn.Module):
         outcome = runtime.train(
             sched,
             microbatches,
-            LossSpec(loss_fn, targets, [w * scale for w in weights]),
+            LossSpec(microbatch_loss(loss_fn, targets), targets, [w * scale for w in weights]),
             checkpoint=checkpoint,
             caller=CallerState.capture(),
             step_seed=step_seed,

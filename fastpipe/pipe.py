@@ -42,8 +42,8 @@ from fastpipe.step_rules import (
     check_chunks,
     check_loss_fn,
     checkpoint_predicate,
-    loss_reduction,
-    loss_weights,
+    microbatch_loss,
+    microbatch_weights,
     split_targets,
 )
 from fastpipe.trace import Timeline
@@ -266,8 +266,11 @@ class Pipe(nn.Module):
         those of ``loss_fn(model(input), target).backward()``: for a mean-reduced loss
         (``loss_fn.reduction == "mean"`` or no ``reduction`` attribute) each micro-batch
         counts by its share of the samples, so uneven micro-batches are weighted right; for
-        ``reduction="sum"`` the micro-batch losses are added. (A mean over something other
-        than samples, e.g. cross-entropy with ``ignore_index``, is weighted by samples.)
+        ``reduction="sum"`` the micro-batch losses are added. ``nn.CrossEntropyLoss`` and
+        ``nn.NLLLoss`` on class indices average over the targets that count (not
+        ``ignore_index``, each by its class ``weight``), and so does the pipeline: each
+        micro-batch runs the sum and counts by 1 / the mini-batch's target weight (see
+        :mod:`fastpipe.step_rules`). Any other mean loss is weighted by samples.
         The optimizer step is the caller's.
 
         Args:
@@ -289,11 +292,10 @@ class Pipe(nn.Module):
         sizes = [batch_size(x) for x in microbatches]
         # loss_fn runs on the last stage, so the targets go where its output is.
         last = self.devices[-1]
-        targets = [
-            t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)])
-            for t in split_targets(target, self.chunks, sizes)
-        ]
-        weights = loss_weights(loss_reduction(loss_fn, "train_step"), sizes)
+        split = split_targets(target, self.chunks, sizes)
+        # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
+        weights = microbatch_weights(loss_fn, split, sizes, "train_step")
+        targets = [t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)]) for t in split]
         sched = _schedule(
             self.schedule if schedule is None else schedule,
             len(self._stages),
@@ -306,7 +308,7 @@ class Pipe(nn.Module):
         losses, grads = self._runtime.train(
             sched,
             microbatches,
-            LossSpec(loss_fn, targets, [w * scale for w in weights]),
+            LossSpec(microbatch_loss(loss_fn, targets), targets, [w * scale for w in weights]),
             checkpoint=checkpoint,
             caller=CallerState.capture(),
             step_seed=draw_step_seed(),

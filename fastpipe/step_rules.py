@@ -8,13 +8,27 @@ drift apart:
 * :func:`check_chunks` and :func:`check_checkpoint`: the arguments, with one message each;
 * :func:`checkpoint_predicate`: which micro-batches are recomputed;
 * :func:`split_targets`: targets split like the input, or a clear error;
-* :func:`loss_reduction` and :func:`loss_weights`: each micro-batch's factor in the loss.
+* :func:`loss_reduction`, :func:`microbatch_loss` and :func:`microbatch_weights`: the loss
+  each micro-batch computes and its factor in the mini-batch loss.
+
+A mean loss is not always a mean over samples. ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` on
+class indices divide their sum by the weight of the targets that count: every target but
+``ignore_index``, each by its class ``weight`` (1 without one). Padded language-model
+batches are the common case, where micro-batches hold different numbers of real tokens.
+Weighing each micro-batch's mean by its samples would then be off the plain loss, so these
+losses run sum-reduced per micro-batch and every micro-batch counts by 1 / (the mini-batch's
+target weight), which equals ``loss_fn(model(x), y)`` (also for a micro-batch whose targets
+are all ignored, whose mean alone would be NaN).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
+
+from torch import Tensor, nn
 
 from fastpipe.microbatch import batch_size, check_value, scatter
 
@@ -128,3 +142,65 @@ def split_targets(target: Any, chunks: int, sizes: Sequence[int] | None) -> list
             "together)"
         )
     return targets
+
+
+_COUNTING_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def _counts_targets(loss_fn: Any, targets: Sequence[Any]) -> bool:
+    """Whether ``loss_fn``'s mean divides by the targets' weight: a mean-reduced
+    ``nn.CrossEntropyLoss``/``nn.NLLLoss`` (its own forward, not a subclass's) on class indices."""
+    kind = next((k for k in _COUNTING_LOSSES if isinstance(loss_fn, k)), None)
+    if kind is None or type(loss_fn).forward is not kind.forward:
+        return False
+    if getattr(loss_fn, "reduction", None) != "mean":
+        return False
+    present = [t for t in targets if t is not None]
+    return bool(present) and all(isinstance(t, Tensor) and not t.is_floating_point() for t in present)
+
+
+def target_weight(loss_fn: Any, targets: Sequence[Tensor]) -> float:
+    """What the mean of a class-index ``CrossEntropyLoss``/``NLLLoss`` divides by, over ``targets``.
+
+    Every target that is not ``ignore_index`` counts by its class weight (1 without ``weight``).
+    """
+    ignore = int(loss_fn.ignore_index)
+    weight: Tensor | None = loss_fn.weight
+    total = 0.0
+    for t in targets:
+        valid = t[t != ignore]
+        total += float(valid.numel() if weight is None else weight.to(t.device)[valid].sum())
+    return total
+
+
+def microbatch_loss(loss_fn: Any, targets: Sequence[Any]) -> Callable[[Any, Any], Tensor]:
+    """The loss each micro-batch runs: ``loss_fn``, or its sum-reduced twin when its mean counts targets.
+
+    The twin is a shallow copy with ``reduction="sum"``: it shares the class weights and the
+    caller's ``loss_fn`` is left as it is.
+    """
+    if not _counts_targets(loss_fn, targets):
+        return loss_fn
+    summed = copy.copy(loss_fn)
+    summed.reduction = "sum"
+    return summed
+
+
+def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int], caller: str) -> list[float]:
+    """Each micro-batch's factor in the mini-batch loss, to go with :func:`microbatch_loss`.
+
+    Args:
+        loss_fn: the caller's loss.
+        targets: each micro-batch's target (None where this process does not hold them).
+        sizes: each micro-batch's number of samples.
+        caller: the method, for messages.
+
+    Returns:
+        ``1 / target_weight`` for every micro-batch when the loss counts targets (NaN, as the
+        plain loss, when no target counts); else :func:`loss_weights` by samples.
+    """
+    reduction = loss_reduction(loss_fn, caller)
+    if reduction == "mean" and _counts_targets(loss_fn, targets):
+        total = target_weight(loss_fn, targets)
+        return [1.0 / total if total else math.nan] * len(sizes)
+    return loss_weights(reduction, sizes)

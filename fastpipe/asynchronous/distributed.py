@@ -33,6 +33,7 @@ from fastpipe.asynchronous.fit import FitRun, RunnerFactory, Window
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
+from fastpipe.step_rules import microbatch_loss
 
 __all__ = ["DistributedFitRun"]
 
@@ -92,7 +93,11 @@ class DistributedFitRun(FitRun):
                     targets += ts
             if not last:
                 targets = [None] * (n * m)
-            factors = [f for j in range(n) for f in self._factors(sizes_list[j * m : (j + 1) * m])]
+            factors = [
+                f
+                for j in range(n)
+                for f in self._factors(targets[j * m : (j + 1) * m], sizes_list[j * m : (j + 1) * m])
+            ]
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -111,7 +116,7 @@ class DistributedFitRun(FitRun):
         runtime.train(
             schedule,
             window.inputs if first else None,
-            LossSpec(self.loss_fn, window.targets, window.factors),
+            LossSpec(microbatch_loss(self.loss_fn, window.targets), window.targets, window.factors),
             checkpoint=lambda i: False,
             caller=CallerState.capture(),
             step_seed=window.seed,

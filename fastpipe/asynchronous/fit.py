@@ -33,7 +33,7 @@ from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
-from fastpipe.step_rules import checkpoint_predicate, loss_reduction, loss_weights, split_targets
+from fastpipe.step_rules import checkpoint_predicate, microbatch_loss, microbatch_weights, split_targets
 
 __all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
 
@@ -161,9 +161,9 @@ class FitRun(Iterator[Tensor]):
 
     # -- one window -----------------------------------------------------------------
 
-    def _factors(self, sizes: Sequence[int]) -> list[float]:
-        """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step_rules.loss_weights`)."""
-        return loss_weights(loss_reduction(self.loss_fn, "fit"), sizes)
+    def _factors(self, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+        """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step_rules.microbatch_weights`)."""
+        return microbatch_weights(self.loss_fn, targets, sizes, "fit")
 
     def _split(self, item: Any, need_input: bool = True) -> tuple[list[Value], list[Any], list[int]]:
         """(micro-batches, targets, sizes) of one mini-batch."""
@@ -202,7 +202,7 @@ class FitRun(Iterator[Tensor]):
             [v for mbs, _, _ in group for v in mbs],
             [t for _, ts, _ in group for t in ts],
             [n for _, _, sz in group for n in sz],
-            [f for _, _, sz in group for f in self._factors(sz)],
+            [f for _, ts, sz in group for f in self._factors(ts, sz)],
         )
 
     def _lr_table(self, n: int) -> list[list[float]]:
@@ -256,7 +256,7 @@ class FitRun(Iterator[Tensor]):
                     transport,
                     state,
                     checkpoint=checkpoint,
-                    loss=LossSpec(self.loss_fn, window.targets, window.factors),
+                    loss=LossSpec(microbatch_loss(self.loss_fn, window.targets), window.targets, window.factors),
                     weights=weights,
                     minibatch_size=m,
                     apply_update=lambda s, i, grads: self._apply(s, grads, lrs[i]),
