@@ -17,7 +17,7 @@ from torch import nn
 
 from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import LayerProfile, profile_layers
-from fastpipe.partition import resolve_devices, tied_blocks
+from fastpipe.partition import resolve_devices, tied_blocks, widest_tie
 from fastpipe.schedule import ScheduleError, build, simulate
 
 __all__ = ["auto_balance", "resolve_balance"]
@@ -57,8 +57,16 @@ def auto_balance(
     # balance never splits them across stages (which Pipe refuses).
     blocks = tied_blocks(module)
     if len(blocks) < stages:
-        tied = "" if len(blocks) == len(module) else f" ({len(blocks)} blocks once tied layers stay together)"
-        raise BalanceError(f"{len(module)} layers{tied} cannot fill {stages} stages; use fewer devices")
+        tie = widest_tie(module)
+        if len(blocks) == len(module) or tie is None:
+            raise BalanceError(f"{len(module)} layers cannot fill {stages} stages; use at most {len(module)} devices")
+        name, first, last = tie
+        raise BalanceError(
+            f"{len(module)} layers cannot fill {stages} stages: '{name}' is used by layers {first} and {last} (a "
+            f"tied weight), and stages are contiguous, so layers {first}..{last} must share one stage, which leaves "
+            f"{len(blocks)} blocks to place. Use at most {len(blocks)} devices, or untie the weight (give each use "
+            "its own copy)"
+        )
     if stages % virtual_stages:
         raise BalanceError(f"{stages} stages do not split into workers of virtual_stages={virtual_stages}")
     if not isinstance(sample, torch.Tensor):
