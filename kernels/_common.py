@@ -33,6 +33,7 @@ __all__ = [
     "interpreting",
     "use_triton",
     "next_pow2",
+    "cdiv",
     "draw_seed",
     "as_seed_tensor",
     "reference_keep_mask",
@@ -91,6 +92,11 @@ def use_triton(t: torch.Tensor) -> bool:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers (``triton.cdiv`` without triton)."""
+    return -(-a // b)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

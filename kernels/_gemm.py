@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import next_pow2
+from ._common import cdiv, next_pow2
 
-__all__ = ["OUT_DTYPE_MM", "addmm_fp32", "cdiv", "chunk_size", "compute_dtype", "mm_into"]
+__all__ = ["OUT_DTYPE_MM", "addmm_fp32", "chunk_size", "compute_dtype", "mm_into"]
 
 
 def chunk_size(tokens: int, vocab: int, hidden: int, requested: int | None, ratio: float = 1.0) -> int:
@@ -22,11 +22,6 @@ def chunk_size(tokens: int, vocab: int, hidden: int, requested: int | None, rati
         return max(1, int(requested))
     rule = next_pow2(cdiv(tokens, cdiv(vocab, hidden)))
     return max(1, min(tokens, max(64, int(rule * ratio))))
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for positive integers."""
-    return -(-a // b)
 
 
 # Per device type: whether this torch build has addmm(out_dtype=fp32) there (learnt on first use).

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._common import HAS_TRITON, device_guard, next_pow2, tl, triton, use_triton
+from ._common import HAS_TRITON, cdiv, device_guard, next_pow2, tl, triton, use_triton
 from .configs import launch_config
 
 __all__ = ["bias_gelu", "bias_gelu_forward", "bias_gelu_backward"]
@@ -47,9 +47,10 @@ if HAS_TRITON:
     def _bias_gelu_fwd_kernel(  # type: ignore[no-untyped-def]
         X, B, Y, M, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
     ):
-        # 2-D tiles: the bias is loaded once per tile, no per-element modulo.
-        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        # 2-D tiles: the bias is loaded once per tile, no per-element modulo. Row blocks sit on grid
+        # axis 0 (up to 2**31 - 1 programs): axes 1 and 2 stop at 65,535, which tall inputs pass.
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < N
         mask = (rows < M)[:, None] & cmask[None, :]
         offs = rows[:, None] * N + cols[None, :]
@@ -91,11 +92,23 @@ if HAS_TRITON:
 
 
 def _tiles(x: torch.Tensor, n: int) -> tuple[int, int, int, int]:
-    """``(block_r, block_c, num_warps, progs_per_sm)`` for rows ``n`` wide (0s: interpreter, one tile)."""
+    """``(block_r, block_c, num_warps, progs_per_sm)`` for rows ``n`` wide (0s: interpreter, one tile).
+
+    A config's ``block_c`` is the widest tile; narrower rows get a tile as wide as they are and
+    proportionally more rows, so a last dimension of 7 does not mask off 505 of 512 columns.
+    """
     cfg = launch_config("bias_gelu", x.device, n)
-    block_c = cfg["block_c"] or min(next_pow2(n), 1 << 14)
-    block_r = cfg["block_r"] or max(1, (1 << 16) // block_c)
+    if not cfg["block_c"]:
+        block_c = min(next_pow2(n), 1 << 14)
+        return max(1, (1 << 16) // block_c), block_c, cfg["num_warps"], cfg["progs_per_sm"]
+    block_c = min(cfg["block_c"], next_pow2(n))
+    block_r = max(1, cfg["block_r"] * cfg["block_c"] // block_c)
     return block_r, block_c, cfg["num_warps"], cfg["progs_per_sm"]
+
+
+def forward_grid(m: int, n: int, block_r: int, block_c: int) -> tuple[int, int]:
+    """The forward kernel's launch grid for ``m`` rows ``n`` wide: (row blocks, column blocks)."""
+    return cdiv(m, block_r), cdiv(n, block_c)
 
 
 def _ref_gelu_and_grad(z: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +135,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: s
         m = x.numel() // max(n, 1)
         block_r, block_c, warps, _ = _tiles(x, n)
         with device_guard(x):
-            _bias_gelu_fwd_kernel[(triton.cdiv(n, block_c), triton.cdiv(m, block_r))](
+            _bias_gelu_fwd_kernel[forward_grid(m, n, block_r, block_c)](
                 x, bias, y, m, n, HAS_B=bias is not None, TANH=tanh, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps,
             )  # fmt: skip

@@ -87,3 +87,29 @@ def test_cuda_matches_torch(dtype):
     ref = F.gelu(x.double() + b.double(), approximate="tanh")
     torch.testing.assert_close(bias_gelu(x, b, "tanh").double(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(swiglu(x, x).double(), F.silu(x.double()) * x.double(), rtol=tol, atol=tol)
+
+
+# CUDA's grid axes 1 and 2 stop at 65,535 programs; axis 0 goes to 2**31 - 1.
+_GRID_AXIS_LIMIT = 65_535
+
+
+@pytest.mark.parametrize("rows", [1, 262_141, 64 * 4096, 1 << 24])
+def test_tall_inputs_launch_within_the_grid_limits(rows):
+    from fastpipe.kernels.bias_gelu import forward_grid
+
+    block_r, block_c = 4, 512  # the CUDA fallback config
+    row_blocks, col_blocks = forward_grid(rows, 4096, block_r, block_c)
+    assert row_blocks * block_r >= rows and col_blocks * block_c >= 4096  # every element is covered
+    assert col_blocks <= _GRID_AXIS_LIMIT  # the rows went to axis 0, the only one without that limit
+
+
+@pytest.mark.parametrize("width, tile", [(7, (256, 8)), (100, (16, 128)), (4096, (4, 512)), (20_000, (4, 512))])
+def test_narrow_rows_get_a_narrow_tile(width, tile):
+    from fastpipe.kernels import configs
+    from fastpipe.kernels.bias_gelu import _tiles
+
+    # The CUDA config, forced so that the CPU computes the tile a GPU would launch.
+    with configs.override("bias_gelu", dict(block_r=4, block_c=512, num_warps=8, progs_per_sm=4)):
+        block_r, block_c, _, _ = _tiles(torch.empty(0), width)
+    assert (block_r, block_c) == tile
+    assert block_r * block_c == 4 * 512  # the same elements per tile as the config
