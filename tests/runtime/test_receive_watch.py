@@ -50,3 +50,26 @@ def test_completed_receives_drain_quickly():
     assert time.monotonic() - started < 2
     assert all(w.waited.is_set() for w in works)
     watch.close()
+
+
+class CountingWork(FakeWork):
+    def __init__(self, done_after):
+        super().__init__(done_after)
+        self.polls = 0
+
+    def is_completed(self):
+        self.polls += 1
+        return super().is_completed()
+
+
+def test_the_watch_backs_off_instead_of_spinning():
+    # Every poll takes the GIL from the thread that launches the kernels: a 0.3 s wait polled
+    # every 0.1 ms is thousands of polls; backing off to a 2 ms pause makes it about 150.
+    watchdog = Watchdog(None, "abort", timeout=5, rank=0)
+    watch = SendReaper(5, poll=True, what="a payload receive on")
+    work = CountingWork(done_after=0.3)
+    watch.add(work, None)
+    watch.drain(watchdog)
+    assert work.waited.is_set()
+    assert work.polls < 400
+    watch.close()
