@@ -22,8 +22,9 @@ dtype chunk by chunk). "accumulate" runs three GEMMs but holds an fp32 ``[V, H]`
 (2x a bf16 weight). Cut Cross-Entropy (Wijmans et al., 2024) also recomputes logits blockwise.
 
 For ``reduction="mean"|"sum"`` the gradients are computed in forward and saved; backward scales
-them by the incoming scalar in place (so it runs once). For ``reduction="none"`` forward computes
-only the losses; backward reruns the passes with the per-token scales.
+them by the incoming scalar in place (so it runs once). For ``reduction="none"``, and for fp16
+(whose gradients would underflow before a GradScaler's factor arrives), forward computes only
+the losses; backward reruns the passes with the per-token scales.
 """
 
 from __future__ import annotations
@@ -264,13 +265,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         tgt = target.reshape(-1).contiguous()
         n = x2.shape[0]
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
-        grad_now = reduction != "none" and (need_dx or need_dw or need_db)
+        # fp16 has 5 exponent bits: (softmax - onehot) / n_valid rounded into the fp16 chunk flushes
+        # most off-target gradients to zero (60% at V=32k, 1,024 tokens) before a GradScaler's factor
+        # could lift them. So for fp16 the gradients wait for backward, where the upstream gradient
+        # (that factor) is folded into each row's scale before anything is rounded, as in eager.
+        deferred = reduction != "none" and cdt == torch.float16
+        grad_now = reduction != "none" and not deferred and (need_dx or need_dw or need_db)
         n_valid = (tgt != ignore_index).sum()
         scale = None
         if grad_now:
             s = 1.0 / n_valid.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=x.device)
             scale = s.expand(n).contiguous()  # the kernels read one scale per row
-        ctx.meta = (x.shape, x.dtype, reduction, ignore_index, chunk_size)
+        ctx.meta = (x.shape, x.dtype, reduction, ignore_index, chunk_size, deferred)
         ctx.autocast = autocast_state(x)
         ctx.scaled_by = None  # the upstream gradient the saved gradients were scaled by, once
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
@@ -279,6 +285,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if reduction == "none":
             ctx.save_for_backward(x, weight, tgt, bias)
             return losses.view(target.shape).to(x.dtype)
+        if deferred:
+            ctx.save_for_backward(x, weight, tgt, bias)
+            ctx.n_valid = n_valid
+            total = losses.sum()
+            return (total / n_valid if reduction == "mean" else total).to(x.dtype)
         # Kept on ctx rather than saved for backward: backward scales them in place, which
         # the saved-tensor version check would refuse on a second backward (see _scaled_grads).
         ctx.grads = (
@@ -331,8 +342,8 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        shape, x_dtype, reduction, ignore_index, chunk_size = ctx.meta
-        if reduction != "none":
+        shape, x_dtype, reduction, ignore_index, chunk_size, deferred = ctx.meta
+        if reduction != "none" and not deferred:
             return _LinearCrossEntropyFn._scaled_grads(ctx, g.float())
         x, weight, tgt, bias = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
@@ -340,7 +351,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         cdt = _compute_dtype(x)
         x2 = x.reshape(-1, hidden).to(cdt)
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
-        scale = g.reshape(-1).float().contiguous()
+        if reduction == "none":
+            scale = g.reshape(-1).float().contiguous()
+        else:  # deferred: the upstream scalar (and 1 / n_valid for a mean) for every row, in fp32
+            g32 = g.float() / ctx.n_valid.clamp(min=1).float() if reduction == "mean" else g.float()
+            scale = g32.expand(tgt.numel()).contiguous()
         with torch.autocast(x.device.type, enabled=False):
             _, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
         return (
