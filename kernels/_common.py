@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 
 import torch
 
@@ -76,16 +77,27 @@ if HAS_TRITON and interpreting():
     _serialize_interpreter()
 
 
+_LARGE_WARNED = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the Triton kernels should handle ``t`` (CUDA tensor, or interpreter mode).
 
-    Raises:
-        ValueError: ``t`` has 2**31 elements or more (the kernels index with int32).
+    A tensor of 2**31 elements or more takes the PyTorch path (the kernels index with int32),
+    with a one-time warning: slower and heavier on memory, but right.
     """
+    global _LARGE_WARNED
     if not (HAS_TRITON and (t.is_cuda or interpreting())):
         return False
     if t.numel() >= 2**31:
-        raise ValueError(f"fastpipe.kernels: {t.numel()} elements exceed int32 indexing; split the tensor")
+        if not _LARGE_WARNED:
+            _LARGE_WARNED = True
+            warnings.warn(
+                f"fastpipe.kernels: a tensor of {t.numel()} elements exceeds the kernels' int32 indexing; "
+                "it runs on the PyTorch path (this is said once per process)",
+                stacklevel=3,
+            )
+        return False
     return True
 
 

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import fastpipe.kernels
@@ -56,3 +57,15 @@ def test_dispatch_rule(monkeypatch):
     assert not use_triton(x)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not use_triton(x)
+
+
+def test_a_tensor_beyond_int32_indexing_takes_the_pytorch_path(monkeypatch):
+    from fastpipe.kernels import _common
+
+    monkeypatch.setattr(_common, "HAS_TRITON", True)
+    monkeypatch.setattr(_common, "interpreting", lambda: True)  # as if the kernels would run here
+    monkeypatch.setattr(_common, "_LARGE_WARNED", False)
+    huge = torch.empty(2**31, dtype=torch.bool, device="meta")  # no memory behind it
+    with pytest.warns(UserWarning, match="runs on the PyTorch path"):
+        assert _common.use_triton(huge) is False
+    assert _common.use_triton(torch.empty(8, device="meta")) is True
