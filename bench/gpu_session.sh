@@ -3,10 +3,11 @@
 #
 #     bash bench/gpu_session.sh          # allow it 540 s; results land in $OUT/gpu_check
 #
-# Prints the host's facts, then runs bench/gpu_check.sh (build, gpu tests with per-test
-# limits, the Pipe-on-GPU bench, NCCL smoke, `fastpipe bench --quick`) under one global
-# deadline of GPU_CHECK_DEADLINE seconds (default 450), so it ends inside 8 minutes even
-# if a step hangs. Files land flat in $OUT/gpu_check (see gpu_check.sh).
+# Prints the host's facts, then runs bench/gpu_check.sh (build; the device-thread and placement
+# tests; the Pipe-on-GPU bench; the kernel tests; a kernel timing table; NCCL smoke;
+# `fastpipe bench --quick`), most valuable first, under one global deadline of
+# GPU_CHECK_DEADLINE seconds (default 420), so it ends inside 7 minutes even if a step hangs.
+# Files land flat in $OUT/gpu_check (see gpu_check.sh).
 set -u
 cd "$(dirname "$0")/.."
 echo "=== host"
