@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fastpipe.plotting import pyplot
+
 __all__ = ["Timeline", "TimelineEvent"]
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)$")
@@ -209,14 +211,9 @@ class Timeline:
         Raises:
             ImportError: if matplotlib is missing (``pip install matplotlib``).
         """
-        try:
-            import matplotlib
+        plt = pyplot()
+        from matplotlib.patches import Patch
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            from matplotlib.patches import Patch
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("Timeline.plot needs matplotlib: pip install matplotlib") from exc
         events = self.events
         origin = min((e.start for e in events), default=0.0)
         span = self.makespan or 1.0

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from fastpipe import kernels
 from fastpipe.bench.workload import ResidualMLP
 from fastpipe.kernels.memory import count_saved_bytes
+from fastpipe.plotting import pyplot
 
 __all__ = ["run_memory"]
 
@@ -141,10 +142,7 @@ def run_memory(hidden: int, ffn: int, batches: list[int], check_blocks: int = 4)
 
 def plot_memory(result: dict[str, Any], path: str) -> None:
     """Bars of the largest trainable block count per mode, one group per batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(8, 3.4))

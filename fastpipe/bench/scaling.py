@@ -28,6 +28,7 @@ import torch
 from fastpipe import Pipe
 from fastpipe.bench.steps import accumulation_step, pipe_step, plain_step, train_step
 from fastpipe.bench.workload import make_batch, make_model
+from fastpipe.plotting import pyplot
 
 __all__ = ["Workload", "host_workload", "run_e2e", "limit_of"]
 
@@ -199,10 +200,7 @@ def summarise(times: dict[str, list[float]], w: Workload, notes: list[str]) -> d
 
 def plot_e2e(result: dict[str, Any], path: str) -> None:
     """Bar chart of the speed-up over one device, with the limit as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))

@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from fastpipe.plotting import pyplot
 from fastpipe.schedule import SCHEDULES, build, simulate
 
 __all__ = ["main", "run", "plot"]
@@ -89,10 +90,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     Every schedule has its own colour, marker and line style, and one legend above the panels names
     them all.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ks = sorted({r["K"] for r in rows})
     names = list(dict.fromkeys(r["schedule"] for r in rows))

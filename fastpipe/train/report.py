@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from fastpipe.plotting import pyplot
 from fastpipe.schedule import Schedule
 from fastpipe.timing import simulate_measured
 from fastpipe.trace import Timeline
@@ -30,10 +31,7 @@ REPORT_KEYS = (
 
 
 def _plot_loss(path: str, history: list[float], start_step: int, val_loss: float, unigram: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = range(1, len(history) + 1)
