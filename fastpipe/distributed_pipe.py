@@ -29,7 +29,7 @@ from fastpipe.amp import distributed_loss_scale
 from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
-from fastpipe.microbatch import Value, batch_size, check_value, scatter
+from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
 from fastpipe.partition import (
     check_balance,
     check_materialised,
@@ -282,7 +282,7 @@ class DistributedPipe(nn.Module):
                 if input is None:
                     raise ValueError("fastpipe: stage 0's rank needs the input")
                 check_value(input, "input")
-                microbatches = scatter(_to(input, self.device), self.chunks)
+                microbatches = scatter(to_device(input, self.device), self.chunks)
                 sizes = [batch_size(x) for x in microbatches]
             except BaseException as exc:
                 runtime.watchdog.fail(f"rank {runtime.global_rank} (stage 0) raised {type(exc).__name__}: {exc}")
@@ -295,7 +295,7 @@ class DistributedPipe(nn.Module):
                 split = split_targets(target, self.chunks, sizes)
                 # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
                 weights = microbatch_weights(loss_fn, split, sizes, "train_step")
-                targets = [_to(t, self.device) for t in split]
+                targets = [to_device(t, self.device) for t in split]
             except BaseException as exc:
                 stage = len(self.balance) - 1
                 runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised {type(exc).__name__}: {exc}")
@@ -371,11 +371,3 @@ class DistributedPipe(nn.Module):
 
 def _module_tensors(module: nn.Module) -> list[Tensor]:
     return [*module.parameters(), *module.buffers()]
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
-    return value

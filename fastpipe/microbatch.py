@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Value", "check_value", "scatter", "gather", "tensors_of", "replace_tensors", "batch_size"]
+__all__ = ["Value", "check_value", "scatter", "gather", "tensors_of", "replace_tensors", "to_device", "batch_size"]
 
 Value = Tensor | tuple
 
@@ -65,6 +65,15 @@ def replace_tensors(value: Value, tensors: Sequence[Tensor]) -> Value:
         return only
     it = iter(tensors)
     return tuple(next(it) if isinstance(v, Tensor) else v for v in value)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, a tuple holding tensors, or anything else) with its tensors on ``device``."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
+    return value
 
 
 def scatter(value: Value, chunks: int) -> list[Value]:

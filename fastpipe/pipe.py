@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.amp import loss_scale
-from fastpipe.asynchronous.fit import FitRun
+from fastpipe.asynchronous.fit_run import FitRun
 from fastpipe.balance.auto import resolve_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of
+from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
 from fastpipe.partition import (
     MOVE_REFUSED,
     Device,
@@ -295,7 +295,7 @@ class Pipe(nn.Module):
         split = split_targets(target, self.chunks, sizes)
         # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
         weights = microbatch_weights(loss_fn, split, sizes, "train_step")
-        targets = [t if t is None else replace_tensors(t, [v.to(last) for v in tensors_of(t)]) for t in split]
+        targets = [to_device(t, last) for t in split]
         sched = _schedule(
             self.schedule if schedule is None else schedule,
             len(self._stages),

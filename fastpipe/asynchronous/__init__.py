@@ -7,7 +7,7 @@ arguments). Consistency policies: :data:`POLICIES`; see
 """
 
 from fastpipe.asynchronous.direction import SUPPORTED, check_predictable, predict_weights, update_direction
-from fastpipe.asynchronous.fit import FitRun, fit
+from fastpipe.asynchronous.fit_run import FitRun, fit
 from fastpipe.asynchronous.memory import weight_copy_bytes
 from fastpipe.asynchronous.weights import POLICIES
 

@@ -29,7 +29,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from fastpipe.asynchronous.fit import FitRun, RunnerFactory, Window
+from fastpipe.asynchronous.fit_run import FitRun, RunnerFactory, Window
+from fastpipe.microbatch import to_device
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
@@ -113,9 +114,11 @@ class DistributedFitRun(FitRun):
 
         pipe.last_timeline = runtime.start_timeline(bool(self.trace))
         first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
+        # The transport hands stage 0's input on as it comes: put it on this rank's device first.
+        inputs = [to_device(v, self.stages[0].device) for v in window.inputs] if first else None
         runtime.train(
             schedule,
-            window.inputs if first else None,
+            inputs,
             LossSpec(microbatch_loss(self.loss_fn, window.targets), window.targets, window.factors),
             checkpoint=lambda i: False,
             caller=CallerState.capture(),

@@ -227,3 +227,32 @@ def test_virtual_stages_fit(monkeypatch: pytest.MonkeyPatch) -> None:
             got = outcome[consistency]
             assert got["copies"] == got["bound"] and got["copies"][rank] > 0, (rank, consistency, got)
             assert set(got["copies"]) == {rank, rank + 2}
+
+
+def _moves(rank: int, world: int) -> list:
+    # Each rank watches the function that puts batches on its device (a GPU under NCCL; the CPU here).
+    import fastpipe.asynchronous.distributed as distributed_fit
+    import fastpipe.asynchronous.fit_run as local_fit
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    moves: list = []
+    real = local_fit.to_device
+
+    def spy(value: object, device: torch.device) -> object:
+        moves.append((tuple(value.shape), str(device)))  # type: ignore[attr-defined]
+        return real(value, device)
+
+    distributed_fit.to_device = spy  # inputs, on stage 0's rank
+    local_fit.to_device = spy  # targets, on the last stage's rank
+    pipe = DistributedPipe(model(), [2, 4], chunks=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    batches = [(x if rank == 0 else None, y if rank == 1 else None) for x, y in data()[:2]]
+    assert len(list(pipe.fit(batches, nn.MSELoss(), opt, consistency="stale", window=2))) == 2
+    pipe.close()
+    return moves
+
+
+def test_distributed_fit_puts_inputs_and_targets_on_the_stage_devices() -> None:
+    first, last = check_ok(run_ranks(_moves, 2, timeout=90))
+    assert first == [((6, 8), "cpu")] * 4  # 2 mini-batches x 2 micro-batches of input
+    assert last == [((6, 4), "cpu")] * 4  # and of targets

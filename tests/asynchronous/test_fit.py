@@ -475,3 +475,23 @@ def test_virtual_stages_refuse_a_short_last_mini_batch_clearly(monkeypatch: pyte
         next(run)
     assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), after))  # the failed window applied nothing
     assert not all(torch.equal(p, q) for p, q in zip(after, before))
+
+
+def test_targets_go_to_the_last_stage_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU DataLoader's targets meet the loss on the last stage's device (a GPU there), as in
+    # train_step; on this CPU host the move is watched through the function that makes it.
+    import fastpipe.asynchronous.fit_run as fit_module
+
+    moves: list[tuple[tuple[int, ...], torch.device]] = []
+    real = fit_module.to_device
+
+    def spy(value: object, device: torch.device) -> object:
+        moves.append((tuple(value.shape), device))  # type: ignore[attr-defined]
+        return real(value, device)
+
+    monkeypatch.setattr(fit_module, "to_device", spy)
+    pipe = Pipe(model(), balance=[4, 3], chunks=3)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = list(pipe.fit(data(2), nn.MSELoss(), opt, consistency="stale", window=2))
+    assert len(losses) == 2
+    assert moves == [((4, 4), pipe.devices[-1])] * 6  # 2 mini-batches x 3 micro-batches

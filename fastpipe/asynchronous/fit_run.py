@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from fastpipe.asynchronous.direction import check_predictable, predict_weights
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
-from fastpipe.microbatch import Value, batch_size, check_value, scatter
+from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage, StepState
@@ -223,6 +223,9 @@ class FitRun(Iterator[Tensor]):
             for pool in self._pools.values():
                 pool.clear()
             raise StopIteration
+        last = self.stages.get(self.num_stages - 1)
+        if last is not None:  # the loss runs where the last stage's output is (weighed on the host first)
+            window.targets = [to_device(t, last.device) for t in window.targets]
         m, n = window.microbatches, window.minibatches
         schedule = build_multistep(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
         lags = update_lag(schedule)
