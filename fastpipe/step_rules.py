@@ -130,7 +130,10 @@ def split_targets(target: Any, chunks: int, sizes: Sequence[int] | None) -> list
     """
     if target is None:
         if sizes is None:
-            raise ValueError("fastpipe: a target of None gives no micro-batch sizes; pass the input too")
+            raise ValueError(
+                "fastpipe: the target is None on the rank that computes the loss; pass each mini-batch's "
+                "target there (the last stage's rank)"
+            )
         return [None] * len(sizes)
     check_value(target, "target")
     targets = scatter(target, chunks)
