@@ -21,6 +21,8 @@ from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.serialization import load, save
+from fastpipe.side_inputs import Sequential, broadcast, takes
+from fastpipe.step_rules import TokenLoss, token_loss
 
 __all__ = [
     "Pipe",
@@ -30,5 +32,10 @@ __all__ = [
     "CHECKPOINT_MODES",
     "save",
     "load",
+    "Sequential",
+    "takes",
+    "broadcast",
+    "token_loss",
+    "TokenLoss",
     "__version__",
 ]

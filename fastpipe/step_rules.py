@@ -19,14 +19,22 @@ Weighing each micro-batch's mean by its samples would then be off the plain loss
 losses run sum-reduced per micro-batch and every micro-batch counts by 1 / (the mini-batch's
 target weight), which equals ``loss_fn(model(x), y)`` (also for a micro-batch whose targets
 are all ignored, whose mean alone would be NaN).
+
+A loss of your own that averages over a count of its own (valid tokens, a mask's sum) says
+so with two methods, ``summed(output, target)`` (the loss summed over what counts) and
+``normaliser(target)`` (what its mean divides by); :func:`token_loss` builds one from two
+functions. The pipeline then runs ``summed`` per micro-batch and divides by the mini-batch's
+normaliser, as for cross-entropy. A plain function has no ``reduction`` to read: it is taken
+for a per-sample mean, with a warning once when that weighting matters (several micro-batches).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -42,6 +50,11 @@ __all__ = [
     "loss_reduction",
     "loss_weights",
     "split_targets",
+    "TokenNormalised",
+    "TokenLoss",
+    "token_loss",
+    "microbatch_loss",
+    "microbatch_weights",
 ]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -147,6 +160,69 @@ def split_targets(target: Any, chunks: int, sizes: Sequence[int] | None) -> list
     return targets
 
 
+@runtime_checkable
+class TokenNormalised(Protocol):
+    """A mean loss that declares what it divides by, so that micro-batches can be weighed exactly.
+
+    ``loss(output, target)`` equals ``loss.summed(output, target) / loss.normaliser(target)``
+    on any batch; the pipeline runs ``summed`` on each micro-batch and divides the sum by
+    the mini-batch's normaliser, the sum of the micro-batches' ones.
+    """
+
+    def summed(self, output: Any, target: Any) -> Tensor:
+        """The loss summed over what counts (valid tokens, weighted samples)."""
+        ...
+
+    def normaliser(self, target: Any) -> float | Tensor:
+        """What the mean over ``target`` divides by (e.g. the number of valid tokens)."""
+        ...
+
+
+class TokenLoss:
+    """A mean loss built from its sum and its normaliser (see :func:`token_loss`)."""
+
+    reduction = "mean"
+
+    def __init__(
+        self, summed: Callable[[Any, Any], Tensor], normaliser: Callable[[Any], float | Tensor], name: str = ""
+    ) -> None:
+        self._summed = summed
+        self._normaliser = normaliser
+        self.name = name or getattr(summed, "__name__", "token_loss")
+
+    def summed(self, output: Any, target: Any) -> Tensor:
+        """The loss summed over what counts."""
+        return self._summed(output, target)
+
+    def normaliser(self, target: Any) -> float | Tensor:
+        """What the mean over ``target`` divides by."""
+        return self._normaliser(target)
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        """The mean: ``summed / normaliser`` (what the plain model's loss computes)."""
+        return self._summed(output, target) / self._normaliser(target)
+
+    def __repr__(self) -> str:
+        return f"TokenLoss({self.name})"
+
+
+def token_loss(summed: Callable[[Any, Any], Tensor], normaliser: Callable[[Any], float | Tensor]) -> TokenLoss:
+    """A loss ``summed(output, target) / normaliser(target)`` that pipelines exactly.
+
+    Example, a masked mean over tokens::
+
+        loss_fn = fastpipe.token_loss(
+            lambda out, y: (F.mse_loss(out, y.value, reduction="none") * y.mask).sum(),
+            lambda y: y.mask.sum(),
+        )
+    """
+    return TokenLoss(summed, normaliser)
+
+
+def _declares_normaliser(loss_fn: Any) -> bool:
+    return callable(getattr(loss_fn, "summed", None)) and callable(getattr(loss_fn, "normaliser", None))
+
+
 _COUNTING_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 
@@ -180,8 +256,10 @@ def microbatch_loss(loss_fn: Any, targets: Sequence[Any]) -> Callable[[Any, Any]
     """The loss each micro-batch runs: ``loss_fn``, or its sum-reduced twin when its mean counts targets.
 
     The twin is a shallow copy with ``reduction="sum"``: it shares the class weights and the
-    caller's ``loss_fn`` is left as it is.
+    caller's ``loss_fn`` is left as it is. A loss that declares its normaliser runs its ``summed``.
     """
+    if _declares_normaliser(loss_fn):
+        return loss_fn.summed
     if not _counts_targets(loss_fn, targets):
         return loss_fn
     summed = copy.copy(loss_fn)
@@ -200,8 +278,21 @@ def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int
 
     Returns:
         ``1 / target_weight`` for every micro-batch when the loss counts targets (NaN, as the
-        plain loss, when no target counts); else :func:`loss_weights` by samples.
+        plain loss, when no target counts), ``1 / sum of normalisers`` for a loss that declares
+        its own (:class:`TokenNormalised`); else :func:`loss_weights` by samples.
     """
+    if _declares_normaliser(loss_fn):
+        present = [t for t in targets if t is not None]
+        total = float(sum(float(loss_fn.normaliser(t)) for t in present))
+        return [1.0 / total if total else math.nan] * len(sizes)
+    if len(sizes) > 1 and not hasattr(loss_fn, "reduction"):
+        warnings.warn(
+            f"fastpipe: {caller} cannot tell how loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)} "
+            "reduces, so it weighs each micro-batch's loss by its share of the samples (exact for a mean over "
+            "samples or a sum with loss_fn.reduction = 'sum'). For a mean over tokens or a mask, declare the "
+            "normaliser: fastpipe.token_loss(summed, normaliser); set loss_fn.reduction = 'mean' to silence this",
+            stacklevel=3,
+        )
     reduction = loss_reduction(loss_fn, caller)
     if reduction == "mean" and _counts_targets(loss_fn, targets):
         total = target_weight(loss_fn, targets)
