@@ -25,7 +25,6 @@ from fastpipe.partition import (
     layers_of,
     refuse_device_move,
     resolve_devices,
-    split,
 )
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.autograd_node import NodeRun, PipelineNode
@@ -33,8 +32,7 @@ from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
-from fastpipe.schedule import Schedule
-from fastpipe.schedule.builders import build_for
+from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import (
     CHECKPOINT_MODES,
     Checkpoint,
@@ -44,23 +42,13 @@ from fastpipe.step_rules import (
     checkpoint_predicate,
     microbatch_loss,
     microbatch_weights,
+    pipe_schedule,
     split_targets,
 )
+from fastpipe.ties import TiedWeights, split_tied
 from fastpipe.trace import Timeline
 
 __all__ = ["Pipe", "CHECKPOINT_MODES"]
-
-
-def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
-    # The messages speak of Pipe's own arguments; build_for checks the rest.
-    if virtual_stages < 1 or stages % virtual_stages:
-        raise ValueError(
-            f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
-            "len(balance) must be a multiple of virtual_stages"
-        )
-    if virtual_stages != 1 and name != "interleaved":
-        raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
-    return build_for(name, stages, stages // virtual_stages, microbatches)
 
 
 class Pipe(nn.Module):
@@ -108,8 +96,12 @@ class Pipe(nn.Module):
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
-        ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid, or a
-            parameter/module is shared between two stages.
+        ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid.
+
+    A parameter, buffer or module that layers on several stages share (a tied embedding)
+    stays one tensor for ``parameters()`` and ``state_dict()``: the other stages read copies,
+    refreshed before each step, and its gradient is the sum over all uses
+    (:mod:`fastpipe.ties`).
     """
 
     def __init__(
@@ -156,7 +148,7 @@ class Pipe(nn.Module):
         device_list = resolve_devices(devices, len(balance))
         # Fail here, not at the first train_step: the schedule's name and virtual stages (any
         # micro-batch count that is a multiple of the workers satisfies every builder).
-        _schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
+        pipe_schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -174,10 +166,11 @@ class Pipe(nn.Module):
         # Sequential's); the stages are plain lists so they do not register twice.
         for name, layer in layers_of(module):
             self.add_module(name, layer)
-        stage_modules = split(module, balance)
+        stage_modules, ties = split_tied(module, balance)
         for stage, device in zip(stage_modules, device_list):
             stage.to(device)
         self._stages = [Stage(m, d, clone_input=first_layer_in_place(m)) for m, d in zip(stage_modules, device_list)]
+        self._ties = TiedWeights(ties, [s.params for s in self._stages])
         self._runtime = LocalRuntime(self._stages, recorder=None)
         weakref.finalize(self, self._runtime.close)
 
@@ -204,20 +197,28 @@ class Pipe(nn.Module):
 
     cuda = cpu = xpu = ipu = mtia = to_empty = _refuse_move
 
+    def train(self, mode: bool = True) -> Pipe:
+        """As ``nn.Module.train``; the stages' clones of tied layers follow too."""
+        super().train(mode)
+        for stage in self._stages:
+            stage.module.train(mode)
+        return self
+
     def close(self) -> None:
         """Stop the worker threads now (they would stop when the Pipe is collected)."""
         self._runtime.close()
 
     # -- running ------------------------------------------------------------------------
 
-    def forward(self, input: Value) -> Value:
+    def forward(self, input: Value, **side: Any) -> Value:
         """Run the pipeline on a mini-batch; returns the output on the last stage's device.
 
         Input tensors on another device than the first stage's are copied there (as the
         stages hand activations on), so a CPU batch can feed a GPU pipeline directly.
+        Keyword arguments are side inputs (``attention_mask=...``), handed to the layers
+        that declare them (:mod:`fastpipe.side_inputs`).
         """
-        check_input(input)
-        microbatches = scatter(input, self.chunks)
+        microbatches, side_mbs = self._scatter(input, side)
         params = [p for s in self._stages for p in s.params]
         grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in params) or any(t.requires_grad for t in tensors_of(input))
@@ -225,12 +226,11 @@ class Pipe(nn.Module):
         caller = CallerState.capture()
         step_seed = draw_step_seed()
         self.last_timeline = self._runtime.start_timeline(self.trace, len(self._stages))
-        schedule = _schedule("gpipe", len(self._stages), len(microbatches), 1)
+        schedule = pipe_schedule("gpipe", len(self._stages), len(microbatches), 1)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(microbatches))
         if not grad:
-            outputs, _ = self._runtime.forward(
-                schedule, microbatches, grad=False, checkpoint=checkpoint, caller=caller, step_seed=step_seed
-            )
+            kw: dict[str, Any] = {"checkpoint": checkpoint, "caller": caller, "step_seed": step_seed, "side": side_mbs}
+            outputs, _ = self._runtime.forward(schedule, microbatches, grad=False, **kw)
             self._after_forward()
             return gather(outputs)
 
@@ -244,9 +244,20 @@ class Pipe(nn.Module):
             caller,
             step_seed,
             [t.device for t in inputs],
+            side_mbs,
+            self._ties.fold,
         )
         flat = PipelineNode.apply(run, *inputs, *params)
         return replace_tensors(run.output_structure, flat)
+
+    def _scatter(self, input: Value, side: dict[str, Any]) -> tuple[list[Value], list[dict[str, Any]]]:
+        """The micro-batches and their side inputs; the tied copies brought up to date."""
+        check_input(input)
+        check_side_inputs([n for s in self._stages for n in s.side_names], side)
+        microbatches = scatter(input, self.chunks)
+        side_mbs = split_side_inputs(side, batch_size(input), self.chunks, len(microbatches)) if side else []
+        self._ties.refresh()
+        return microbatches, side_mbs
 
     def train_step(
         self,
@@ -258,20 +269,16 @@ class Pipe(nn.Module):
         virtual_stages: int | None = None,
         trace: bool | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        **side: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch under a schedule; returns the loss.
 
         The last stage computes ``loss_fn(output, target)`` per micro-batch. The returned
-        loss is the mini-batch loss, and the gradients accumulated into ``.grad`` equal
-        those of ``loss_fn(model(input), target).backward()``: for a mean-reduced loss
-        (``loss_fn.reduction == "mean"`` or no ``reduction`` attribute) each micro-batch
-        counts by its share of the samples, so uneven micro-batches are weighted right; for
-        ``reduction="sum"`` the micro-batch losses are added. ``nn.CrossEntropyLoss`` and
-        ``nn.NLLLoss`` on class indices average over the targets that count (not
-        ``ignore_index``, each by its class ``weight``), and so does the pipeline: each
-        micro-batch runs the sum and counts by 1 / the mini-batch's target weight (see
-        :mod:`fastpipe.step_rules`). Any other mean loss is weighted by samples.
-        The optimizer step is the caller's.
+        loss, and the gradients accumulated into ``.grad``, equal those of
+        ``loss_fn(model(input), target)``: each micro-batch's loss counts by its share of
+        the mini-batch's normaliser, samples for a mean, valid targets for cross-entropy
+        with ``ignore_index``, a declared normaliser for :func:`fastpipe.token_loss`
+        (:mod:`fastpipe.step_rules`). The optimizer step is the caller's.
 
         Args:
             input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).
@@ -285,10 +292,10 @@ class Pipe(nn.Module):
             scaler: a ``torch.amp.GradScaler``: the backward runs on the scaled loss, as
                 ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
                 then ``scaler.step(opt); scaler.update()`` as usual.
+            side: side inputs, as for :meth:`forward`.
         """
-        check_input(input)
         check_loss_fn(loss_fn)
-        microbatches = scatter(input, self.chunks)
+        microbatches, side_mbs = self._scatter(input, side)
         sizes = [batch_size(x) for x in microbatches]
         # loss_fn runs on the last stage, so the targets go where its output is.
         last = self.devices[-1]
@@ -296,7 +303,7 @@ class Pipe(nn.Module):
         # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
         weights = microbatch_weights(loss_fn, split, sizes, "train_step")
         targets = [to_device(t, last) for t in split]
-        sched = _schedule(
+        sched = pipe_schedule(
             self.schedule if schedule is None else schedule,
             len(self._stages),
             len(sizes),
@@ -312,9 +319,10 @@ class Pipe(nn.Module):
             checkpoint=checkpoint,
             caller=CallerState.capture(),
             step_seed=draw_step_seed(),
+            side=side_mbs,
         )
         self._after_forward()
-        for stage, stage_grads in zip(self._stages, grads):
+        for stage, stage_grads in zip(self._stages, self._ties.fold(grads)):
             accumulate_grads(stage.params, stage_grads)
         with torch.no_grad():
             return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum()
@@ -338,32 +346,23 @@ class Pipe(nn.Module):
             for loss in tqdm(pipe.fit(loader, nn.CrossEntropyLoss(), opt, consistency="predict")):
                 ...
 
-        Mini-batches stream through a 1F1B pipeline without a flush between them (XPipe),
-        or Megatron's interleaved 1F1B with ``virtual_stages`` > 1,
-        ``window`` at a time; the pipeline drains between windows, which is where
-        :func:`fastpipe.save` captures an exact resume point (``run.steps % window == 0``).
+        Mini-batches stream through a 1F1B pipeline (interleaved with ``virtual_stages`` > 1)
+        without a flush between them (XPipe), ``window`` at a time; the pipeline drains
+        between windows, where :func:`fastpipe.save` captures an exact resume point
+        (``run.steps % window == 0``). See docs/async.md, also for deferred BatchNorm.
 
         Args:
             batches: an iterable of ``(input, target)``, e.g. a DataLoader.
-            loss_fn: as for :meth:`train_step` (mean- or sum-reduced).
+            loss_fn: as for :meth:`train_step`.
             optimizer: one optimizer over the pipe's parameters; stage s steps it with only
                 its own gradients, right after its last backward of each mini-batch.
-            consistency: ``"sync"`` (flush every mini-batch: equals ``train_step`` then
-                ``optimizer.step()``), ``"stale"``, ``"stash"`` or ``"predict"`` (see
-                :mod:`fastpipe.asynchronous`).
-            scheduler: an ``LRScheduler`` of ``optimizer``, stepped once per mini-batch; every
-                stage's update of mini-batch n uses the n-th learning rate. It is stepped a
-                window at a time, as the window starts (at a drained point it is exact).
-            max_grad_norm: clip each *stage's* gradient norm to this (per stage, not global:
-                stages update at different times).
+            consistency: ``"sync"`` (equals ``train_step`` then ``optimizer.step()``),
+                ``"stale"``, ``"stash"`` or ``"predict"`` (see :mod:`fastpipe.asynchronous`).
+            scheduler: an ``LRScheduler`` of ``optimizer``, stepped once per mini-batch (a
+                window at a time); stage updates of mini-batch n use the n-th rate.
+            max_grad_norm: clip each *stage's* gradient norm to this (stages update apart).
             window: mini-batches between drains.
             trace: record each window's timeline in ``last_timeline``.
-
-        With ``deferred_batch_norm=True``, stage s commits the BatchNorm running statistics
-        of mini-batch n at its update of n, from exactly that mini-batch's micro-batches (the
-        forwards of mini-batch n + 1 that run before it accumulate apart); under ``"sync"``
-        they equal ``train_step``'s. Running statistics are buffers, not parameters, so the
-        weight versions of ``"stash"`` and ``"predict"`` do not version them.
         """
         return FitRun(
             self,
@@ -385,11 +384,17 @@ class Pipe(nn.Module):
         return self._runtime
 
     @property
+    def ties(self) -> TiedWeights:
+        """The tensors that layers on several stages share, and the stages' copies of them."""
+        return self._ties
+
+    @property
     def num_workers(self) -> int:
         """Worker threads: one per stage, or per ``virtual_stages`` stages (stage s on worker s % workers)."""
         return len(self.balance) // self.virtual_stages
 
     def _after_forward(self) -> None:
+        self._ties.check_constant()
         if self.deferred_batch_norm and self.training:
             for s in self._stages:
                 commit_deferred_batch_norm(s.module)

@@ -30,7 +30,7 @@ How a side input is split into micro-batches, once, when the mini-batch is:
   micro-batch whole (broadcast);
 * :func:`broadcast` marks a value to reach every micro-batch whole whatever its shape (a
   ``[T, d]`` table whose ``T`` happens to equal the batch size);
-* tuples, lists and dicts are split item by item.
+* tuples, lists and dicts are split item by item (an item may be marked with :func:`broadcast`).
 
 Side inputs carry no gradient: a value that needs one is an activation, so pass it through
 the layers (or stash it as a skip). Each stage receives them on its own device.
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "SIDE_INPUTS_ATTRIBUTE",
@@ -123,7 +123,7 @@ def call_layer(layer: nn.Module, value: Any, side: SideInputs) -> Any:
     return layer(value, **{n: side[n] for n in names if n in side})
 
 
-def run_layers(module: nn.Sequential, value: Any, side: SideInputs) -> Any:
+def run_layers(module: nn.Module, value: Any, side: SideInputs) -> Any:
     """Run ``module``'s layers in order on ``value``, handing each the side inputs it declares."""
     for layer in module._modules.values():
         if layer is not None:
@@ -144,20 +144,20 @@ class Sequential(nn.Sequential):
 
 
 def _unwrap(value: Any) -> Any:
-    return value.value if isinstance(value, Broadcast) else value
+    return tree_map(lambda leaf: leaf.value if isinstance(leaf, Broadcast) else leaf, value)
 
 
-def check_side_inputs(module: nn.Module, side: SideInputs, *, grad: bool | None = None) -> None:
+def check_side_inputs(module: nn.Module | Sequence[str], side: SideInputs, *, grad: bool | None = None) -> None:
     """Raise a clear error for side inputs no layer of ``module`` takes, or that need a gradient.
 
     Args:
-        module: the whole model (or a stage).
+        module: the whole model (or a stage), or the names its layers take.
         side: the keyword values of the call.
         grad: whether autograd records this call (default: ``torch.is_grad_enabled()``).
     """
     if not side:
         return
-    known = declared(module)
+    known = declared(module) if isinstance(module, nn.Module) else tuple(module)
     unknown = [n for n in side if n not in known]
     if unknown:
         takes_now = ", ".join(repr(n) for n in known) if known else "none"
@@ -202,6 +202,8 @@ def split_side_inputs(side: SideInputs, batch: int, chunks: int, count: int) -> 
 
 
 def _split_leaf(name: str, leaf: Any, batch: int, chunks: int, count: int) -> Sequence[Any]:
+    if isinstance(leaf, Broadcast):
+        return [leaf.value] * count
     if not isinstance(leaf, Tensor) or leaf.dim() == 0 or (leaf.size(0) == 1 and batch != 1):
         return [leaf] * count
     if leaf.size(0) != batch:

@@ -39,6 +39,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from fastpipe.microbatch import batch_size, check_value, scatter
+from fastpipe.schedule import Schedule
+from fastpipe.schedule.builders import build_for
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -50,6 +52,7 @@ __all__ = [
     "loss_reduction",
     "loss_weights",
     "split_targets",
+    "pipe_schedule",
     "TokenNormalised",
     "TokenLoss",
     "token_loss",
@@ -298,3 +301,19 @@ def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int
         total = target_weight(loss_fn, targets)
         return [1.0 / total if total else math.nan] * len(sizes)
     return loss_weights(reduction, sizes)
+
+
+def pipe_schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """The schedule ``Pipe`` runs: ``name`` over ``stages``, ``virtual_stages`` to a worker.
+
+    The messages speak of Pipe's own arguments; :func:`~fastpipe.schedule.builders.build_for`
+    checks the rest.
+    """
+    if virtual_stages < 1 or stages % virtual_stages:
+        raise ValueError(
+            f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
+            "len(balance) must be a multiple of virtual_stages"
+        )
+    if virtual_stages != 1 and name != "interleaved":
+        raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
+    return build_for(name, stages, stages // virtual_stages, microbatches)

@@ -15,7 +15,7 @@ graph stitched across stages; on a GPU device thread the GPU stages run inline
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ class NodeRun:
     caller: CallerState
     step_seed: int
     input_devices: list[torch.device]
+    side: Sequence[Mapping[str, Any]] = ()
+    fold_grads: Callable[[list[list[Tensor | None]]], list[list[Tensor | None]]] = lambda grads: grads
     output_structure: Value = ()
     state: StepState | None = None
     output_sizes: list[int] = field(default_factory=list)
@@ -66,6 +68,7 @@ class PipelineNode(torch.autograd.Function):
             checkpoint=run.checkpoint,
             caller=run.caller,
             step_seed=run.step_seed,
+            side=run.side,
         )
         run.after_forward()
         run.microbatches = []  # the state holds what backward needs
@@ -92,7 +95,7 @@ class PipelineNode(torch.autograd.Function):
         # device thread the GPU stages' backwards must run here (see runtime.inline).
         on_device_thread = any(g is not None and g.device.type != "cpu" for g in grads)
         input_grads, param_grads = run.runtime.backward(run.state, per_mb, on_device_thread=on_device_thread)
-        flat_params = [g for stage in param_grads for g in stage]
+        flat_params = [g for stage in run.fold_grads(param_grads) for g in stage]
         return (None, *join_input_grads(input_grads, run.input_devices), *flat_params)
 
 

@@ -45,6 +45,7 @@ from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
+from fastpipe.side_inputs import declared, run_layers, side_inputs_on
 
 __all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "Recorder"]
 
@@ -68,9 +69,11 @@ class Stage:
     clone_input: bool = False
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
+    side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.side_names = declared(self.module)
         self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
 
 
@@ -108,8 +111,16 @@ class StepState:
     schedule: Schedule
     caller: CallerState
     step_seed: int
+    side: Sequence[Mapping[str, Any]] = ()  # each micro-batch's side inputs (fastpipe.side_inputs)
     tasks: dict[tuple[int, int], _Task] = field(default_factory=dict)
     consumed: bool = False
+    side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
+
+    def side_for(self, stage: Stage, m: int) -> Mapping[str, Any]:
+        """Micro-batch ``m``'s side inputs that ``stage`` takes, on its device."""
+        if not self.side or not stage.side_names:
+            return {}
+        return side_inputs_on(self.side[m], stage.side_names, stage.device, self.side_copies)
 
 
 class StepRunner:
@@ -175,8 +186,10 @@ class StepRunner:
         # Linear backward writes; a split one (B/W) needs the weight gradient returned.
         fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
         try:
+            value = _fresh(inputs) if stage.clone_input else inputs
+            side = self.state.side_for(stage, m)
             with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
-                out = stage.module(_fresh(inputs) if stage.clone_input else inputs)
+                out = run_layers(stage.module, value, side) if side else stage.module(value)
         except RuntimeError as exc:
             if "leaf Variable that requires grad is being used in an in-place" not in str(exc):
                 raise

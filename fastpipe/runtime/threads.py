@@ -17,7 +17,8 @@ stages). ``train_step`` is not inside autograd and runs every stage in its worke
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -95,6 +96,7 @@ class LocalRuntime:
         checkpoint: Callable[[int], bool],
         caller: CallerState,
         step_seed: int,
+        side: Sequence[Mapping[str, Any]] = (),
     ) -> tuple[list[Value], StepState]:
         """Run the schedule's F actions; return the last stage's outputs per micro-batch.
 
@@ -102,8 +104,9 @@ class LocalRuntime:
             grad: build autograd graphs (the caller wants a backward).
             checkpoint: ``checkpoint(mb)`` says whether micro-batch ``mb`` is recomputed in
                 the backward instead of keeping its graph.
+            side: each micro-batch's side inputs (:mod:`fastpipe.side_inputs`).
         """
-        state = StepState(schedule, caller, step_seed)
+        state = StepState(schedule, caller, step_seed, side)
         step = self._step(state, grad=grad, checkpoint=checkpoint, loss=None)
         step.feed(microbatches)
         self.execute(schedule, ("F",), step, "forward")
@@ -154,15 +157,16 @@ class LocalRuntime:
         checkpoint: Callable[[int], bool],
         caller: CallerState,
         step_seed: int,
+        side: Sequence[Mapping[str, Any]] = (),
     ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        """Run a whole schedule, loss included, on the last stage.
+        """Run a whole schedule, loss included, on the last stage (``side`` as for :meth:`forward`).
 
         Returns:
             ``(losses, param_grads)``: each micro-batch's (unweighted) loss, detached; per
             stage, the gradient of each ``stage.params`` entry summed over micro-batches
             (each micro-batch's share weighted by ``loss.weights``).
         """
-        state = StepState(schedule, caller, step_seed)
+        state = StepState(schedule, caller, step_seed, side)
         step = self._step(state, grad=True, checkpoint=checkpoint, loss=loss)
         step.feed(microbatches)
         try:

@@ -84,20 +84,6 @@ def test_unknown_checkpoint_mode():
         Pipe(model(), balance=[2, 2], checkpoint="sometimes")
 
 
-def test_shared_parameter_across_stages():
-    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
-    b.weight = a.weight
-    with pytest.raises(ValueError, match="parameter '1.weight' .*stage 1.* same object as '0.weight'"):
-        Pipe(nn.Sequential(a, b), balance=[1, 1])
-    Pipe(nn.Sequential(a, b), balance=[2])  # sharing within one stage is fine
-
-
-def test_shared_module_across_stages():
-    shared = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="same object"):
-        Pipe(nn.Sequential(shared, nn.ReLU(), nn.Sequential(shared)), balance=[2, 1])
-
-
 def test_process_group_points_to_distributed_pipe():
     sentinel = object()  # never reaches torch.distributed: the argument is refused first
     for kwargs in ({"process_group": sentinel}, {"mesh": sentinel}):

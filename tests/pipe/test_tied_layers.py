@@ -2,7 +2,7 @@
 
 ``named_children()`` and ``parameters()`` skip objects seen before, so walking them would
 silently lose the second use. Within one stage both uses run, as in the Sequential; across
-stages the Pipe refuses, naming both uses and a balance that keeps them together.
+stages see test_tied_across_stages.py.
 """
 
 import copy
@@ -57,22 +57,6 @@ def test_layer_used_twice_under_train_step(schedule):
     assert_close_reordered(loss, loss_ref.detach(), k=8 + 6)
     for p, q in zip(pipe.parameters(), ref.parameters(), strict=True):
         assert_close_reordered(p.grad, q.grad, k=16 + 6)
-
-
-@pytest.mark.parametrize(
-    "layers, balance, names, merged",
-    [
-        ("shared relu shared tanh", [1, 3], r"'2' \(layer 2, stage 1\) .* '0' \(layer 0, stage 0\)", r"\[4\]"),
-        ("shared relu shared", [1, 2], r"'2' \(layer 2, stage 1\) .* '0' \(layer 0, stage 0\)", r"\[3\]"),
-        ("relu shared tanh shared", [1, 1, 1, 1], r"'3' \(layer 3, stage 3\) .* '1' \(layer 1, stage 1\)", r"\[1, 3\]"),
-    ],
-)
-def test_layer_used_in_two_stages_is_refused(layers, balance, names, merged):
-    shared = nn.Linear(4, 4)
-    parts = {"shared": shared, "relu": nn.ReLU(), "tanh": nn.Tanh()}
-    model = nn.Sequential(*[parts[n] if n == "shared" else copy.deepcopy(parts[n]) for n in layers.split()])
-    with pytest.raises(ValueError, match=f"module {names}.*tied weight.*cannot span stages.*balance={merged}"):
-        Pipe(model, balance=balance)
 
 
 def test_stateless_module_reused_across_stages_runs():
