@@ -72,6 +72,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -285,10 +286,35 @@ class TaskRNG(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in RANDOM_OPS or kwargs.get("generator") is not None:
+        if func not in RANDOM_OPS or kwargs.get("generator") is not None or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         with self.drawing(_devices_of(args, kwargs)):
             return func(*args, **kwargs)
+
+
+# Calls that draw only with a probability > 0 (and, for dropout, while training): (index of
+# p, its default, index of training, its default). Without a draw they need no lock and no
+# generator swap, which an attention without dropout would otherwise pay on every call.
+_DRAWS_IF: dict[Any, tuple[int, str, float, int, str, bool]] = {
+    F.scaled_dot_product_attention: (4, "dropout_p", 0.0, -1, "", True),
+    **{f: (1, "p", 0.5, 2, "training", True) for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d)},
+    **{f: (1, "p", 0.5, 2, "training", False) for f in (F.alpha_dropout, F.feature_alpha_dropout)},
+}
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of a random op draws at all (False for dropout with p=0 or not training)."""
+    rule = _DRAWS_IF.get(func)
+    if rule is None:
+        return True
+    p_at, p_name, p_default, train_at, train_name, train_default = rule
+    p = kwargs.get(p_name, args[p_at] if len(args) > p_at else p_default)
+    training = (
+        train_default
+        if train_at < 0
+        else kwargs.get(train_name, args[train_at] if len(args) > train_at else train_default)
+    )
+    return bool(training) and p != 0
 
 
 def current_generator(device: Any = "cpu") -> torch.Generator:

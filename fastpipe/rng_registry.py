@@ -10,7 +10,10 @@ stage whether it could draw at all: a stage made only of ``torch.nn`` layers tha
 draw (Linear, Conv, norms, activations, Embedding…; dropout-like layers only in eval), with
 no hooks, runs without the mode and pays nothing. Anything fastpipe cannot see through
 (a custom module's ``forward``, a hook, a loss given as a plain function) gets the mode;
-:func:`register_deterministic` declares a custom layer that never draws.
+:func:`register_deterministic` declares a custom layer that never draws, and a class may say
+it itself, without importing fastpipe, with an attribute ``fastpipe_may_draw = False`` or a
+method ``fastpipe_may_draw(self) -> bool`` (e.g. ``self.training and self.p > 0``); fastpipe's
+kernels and the GPT of ``fastpipe train`` do. A loss object may declare it the same way.
 """
 
 from __future__ import annotations
@@ -151,10 +154,21 @@ def register_deterministic(cls: type[nn.Module]) -> type[nn.Module]:
     return cls
 
 
+def _declared(obj: Any) -> bool | None:
+    """What ``obj``'s own ``fastpipe_may_draw`` (an attribute or a method) says, or None."""
+    declared = getattr(type(obj), "fastpipe_may_draw", None)
+    if declared is None:
+        return None
+    return bool(declared(obj)) if callable(declared) else bool(declared)
+
+
 def _module_may_draw(m: nn.Module) -> bool:
     cls = type(m)
     if m._forward_hooks or m._forward_pre_hooks:  # arbitrary code
         return True
+    declared = _declared(m)
+    if declared is not None:
+        return declared
     if cls in _DRAW_WHEN_TRAINING:
         return m.training
     if cls in _ALWAYS_DRAW:
@@ -180,4 +194,7 @@ def may_draw(module: nn.Module, extra: Callable[..., Any] | None = None) -> bool
         return False
     if isinstance(extra, nn.Module):
         return may_draw(extra)
+    declared = _declared(getattr(extra, "__self__", extra))  # a loss object, or one of its methods
+    if declared is not None:
+        return declared
     return getattr(extra, "__module__", None) != "torch.nn.functional" or extra in RANDOM_OPS

@@ -66,3 +66,7 @@ class MLPBlock(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"dropout={self.p}, approximate={self.approximate!r}"
+
+    def fastpipe_may_draw(self) -> bool:
+        """Read by fastpipe's task RNG: only the dropout draws (its seed), while training with ``p > 0``."""
+        return self.training and self.p > 0

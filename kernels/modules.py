@@ -18,6 +18,8 @@ __all__ = ["LayerNorm", "RMSNorm", "Dropout", "GELU"]
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with the fused kernel (last-dim normalisation only; else torch)."""
 
+    fastpipe_may_draw = False  # read by fastpipe's task RNG: this layer never draws random numbers
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
             return super().forward(x)
@@ -29,6 +31,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     As in torch, ``eps=None`` means ``torch.finfo(x.dtype).eps``.
     """
+
+    fastpipe_may_draw = False  # read by fastpipe's task RNG: this layer never draws random numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
@@ -43,12 +47,18 @@ class Dropout(torch.nn.Dropout):
     ``inplace=True`` is accepted for compatibility; the result is always a new tensor.
     """
 
+    def fastpipe_may_draw(self) -> bool:
+        """Read by fastpipe's task RNG: the seed is drawn only while training with ``p > 0``."""
+        return self.training and self.p > 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training)
 
 
 class GELU(torch.nn.GELU):
     """``torch.nn.GELU`` that saves its input only and recomputes the activation in backward."""
+
+    fastpipe_may_draw = False  # read by fastpipe's task RNG: this layer never draws random numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bias_gelu(x, None, self.approximate)

@@ -115,6 +115,7 @@ class StepState:
     tasks: dict[tuple[int, int], _Task] = field(default_factory=dict)
     consumed: bool = False
     side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
+    draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
 
     def side_for(self, stage: Stage, m: int) -> Mapping[str, Any]:
         """Micro-batch ``m``'s side inputs that ``stage`` takes, on its device."""
@@ -217,8 +218,11 @@ class StepRunner:
         time (see fastpipe.rng); the choice is kept with the task, so a recompute replays it.
         """
         stage = self.stages[s]
-        loss = self.loss.fn if s == self.last and self.loss is not None else None
-        if not may_draw(stage.module, loss):
+        draws = self.state.draws.get(s)
+        if draws is None:  # once a step per stage, not per micro-batch: may_draw walks every module
+            loss = self.loss.fn if s == self.last and self.loss is not None else None
+            draws = self.state.draws[s] = may_draw(stage.module, loss)
+        if not draws:
             return contextlib.nullcontext
         seed = task_seed(self.state.step_seed, s, m)
         watch = {torch.device("cpu"), stage.device}

@@ -68,6 +68,8 @@ class GPTConfig:
 class Embedding(nn.Module):
     """Token plus learned position embeddings: ids ``[B, T]`` to ``[B, T, D]``."""
 
+    fastpipe_may_draw = False  # no random ops: the stage skips the task RNG's interception
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.tokens = nn.Embedding(cfg.vocab, cfg.dim)
@@ -109,9 +111,15 @@ class Block(nn.Module):
         x = x + kernels.dropout(y, self.p, self.training)
         return self.mlp(x)
 
+    def fastpipe_may_draw(self) -> bool:
+        """Only the dropouts draw (attention has none): while training with ``p > 0``."""
+        return self.training and self.p > 0
+
 
 class LMHead(nn.Module):
     """The final LayerNorm; owns the output projection ``weight [V, D]`` that :class:`LMLoss` applies."""
+
+    fastpipe_may_draw = False
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -135,6 +143,7 @@ class LMLoss:
     """
 
     reduction = "mean"  # train_step weights each micro-batch by its share of the samples
+    fastpipe_may_draw = False  # a chunked cross-entropy: no random ops
 
     def __init__(self, head: LMHead) -> None:
         self.head = head
