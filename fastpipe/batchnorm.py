@@ -31,6 +31,9 @@ from fastpipe.runtime.worker import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "accumulating_into", "convert_deferred_batch_norm", "commit_deferred_batch_norm"]
 
+# The most elements of a 16-bit activation widened to fp32 at once for its statistics (16 MiB).
+WIDEN_ELEMENTS = 1 << 22
+
 # Per thread (each thread starts in its own context): the slot this thread's forwards accumulate into.
 _slot: ContextVar[Hashable] = ContextVar("fastpipe_deferred_batch_norm_slot", default=None)
 
@@ -114,15 +117,23 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _accumulate(self, input: Tensor, slot: Hashable) -> None:
         # Each micro-batch's mean and variance in one fused reduction (fp32 at least, no
         # copy of an fp32 activation), merged into per-channel sums in fp64 with Chan et
-        # al.'s pairwise update: no fp64 copy of the activation or of its square.
+        # al.'s pairwise update: no fp64 copy of the activation or of its square. A 16-bit
+        # activation is widened to fp32 a slice of samples at a time, so the copy stays
+        # small (at most WIDEN_ELEMENTS) instead of twice the activation.
         dims = [0] + list(range(2, input.dim()))
         x = input.detach()
-        if x.element_size() < 4:
-            x = x.float()
-        var, mean = torch.var_mean(x, dims, correction=0)
         wide = torch.float64 if input.device.type in ("cpu", "cuda") else torch.float32
-        n_b = input.numel() // input.size(1)
-        mean, m2 = mean.to(wide), var.to(wide) * n_b
+        if x.element_size() >= 4:
+            parts = [x]
+        else:
+            rows = max(1, WIDEN_ELEMENTS // max(1, x[:1].numel()))
+            parts = [part.float() for part in x.split(rows)]
+        for part in parts:
+            var, mean = torch.var_mean(part, dims, correction=0)
+            n_b = part.numel() // part.size(1)
+            self._merge(slot, mean.to(wide), var.to(wide) * n_b, n_b)
+
+    def _merge(self, slot: Hashable, mean: Tensor, m2: Tensor, n_b: int) -> None:
         acc = self._pending.get(slot)
         if acc is None or acc.count == 0:
             self._pending[slot] = _Stats(mean, m2, n_b)

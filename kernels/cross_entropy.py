@@ -329,7 +329,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                     "modified after its first backward, so it cannot backpropagate again; use "
                     "reduction='none' (then .sum()/.mean()) to backpropagate through it more than once"
                 )
-            if not torch.equal(first, g):
+            if first is not g and not torch.equal(first, g):  # `is`: no device sync when unchanged
                 if not bool(first != 0):
                     raise RuntimeError(
                         "linear_cross_entropy's first backward had a zero upstream gradient, which erased "

@@ -79,6 +79,21 @@ def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
+def _steps(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> dict[int, float]:
+    """Each parameter's Adam step count as a float, read with one device sync at most.
+
+    Fused and capturable Adam keep ``state["step"]`` on the parameter's device, where a
+    ``float()`` per parameter would wait for the device once each.
+    """
+    found = [(id(p), s["step"]) for p in params if "step" in (s := optimizer.state.get(p, {}))]
+    on_device = [(key, t) for key, t in found if isinstance(t, Tensor) and t.device.type != "cpu"]
+    out = {key: float(t) for key, t in found if not (isinstance(t, Tensor) and t.device.type != "cpu")}
+    if on_device:
+        values = torch.stack([t.reshape(()).float() for _, t in on_device]).cpu().tolist()
+        out.update((key, v) for (key, _), v in zip(on_device, values))
+    return out
+
+
 @torch.no_grad()
 def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> list[Tensor | None]:
     """Δ for each of ``params`` (None where the optimizer holds no state for it yet).
@@ -88,6 +103,7 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor])
     """
     groups = _group_of(optimizer)
     decoupled = type(optimizer) is torch.optim.AdamW
+    steps = _steps(optimizer, params)
     out: list[Tensor | None] = []
     for p in params:
         group, state = groups[id(p)], optimizer.state.get(p, {})
@@ -98,7 +114,7 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[Tensor])
         if "exp_avg" not in state:
             out.append(None)
             continue
-        step = float(state["step"])
+        step = steps[id(p)]
         beta1, beta2 = group["betas"]
         second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
         m_hat = state["exp_avg"] / (1 - beta1**step)
@@ -136,6 +152,7 @@ def predict_weights(
         raise ValueError(f"fastpipe: {len(out)} output buffers for {len(params)} parameters")
     groups = _group_of(optimizer)
     kind = type(optimizer)
+    steps = _steps(optimizer, params)
     result: list[Tensor] = []
     for i, (p, total) in enumerate(zip(params, totals)):
         o = torch.empty_like(p) if out is None else out[i]
@@ -147,7 +164,7 @@ def predict_weights(
             buf = state.get("momentum_buffer")
             result.append(o.copy_(p) if buf is None else torch.add(p, buf, alpha=-total, out=o))
             continue
-        step = float(state["step"])
+        step = steps[id(p)]
         beta1, beta2 = group["betas"]
         second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
         c1, c2 = 1 - beta1**step, (1 - beta2**step) ** 0.5

@@ -196,3 +196,25 @@ def test_no_host_sync_and_no_activation_sized_fp64_tensor():
         n for n, out in watch.calls if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel() > 4
     ]
     assert big64 == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_statistics_widen_a_slice_at_a_time(monkeypatch, dtype):
+    import fastpipe.batchnorm as bn
+
+    x = torch.randn(12, 3, 5, dtype=torch.float32).mul(3).add(1).to(dtype)
+    whole = DeferredBatchNorm(3).to(dtype)
+    whole(x)
+    whole.commit()
+    widened: list[int] = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.numel()) or real_float(t))
+    monkeypatch.setattr(bn, "WIDEN_ELEMENTS", 2 * 3 * 5)  # two samples at a time
+    sliced = DeferredBatchNorm(3).to(dtype)
+    sliced(x)
+    sliced.commit()
+    assert widened and max(widened) <= 2 * 3 * 5
+    ref = x.float().transpose(0, 1).reshape(3, -1)
+    torch.testing.assert_close(sliced.running_mean, whole.running_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sliced.running_var, whole.running_var, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sliced.running_mean.float(), 0.1 * ref.mean(1), rtol=1e-3, atol=1e-3)
