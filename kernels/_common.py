@@ -29,6 +29,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "HAS_TRITON",
+    "serialize_first_launches",
     "triton",
     "tl",
     "interpreting",
@@ -73,8 +74,57 @@ def _serialize_interpreter() -> None:
     cls.run = run
 
 
+def _launch_key(args: tuple, kwargs: dict) -> tuple:
+    """What Triton specialises a compiled kernel on, or something finer.
+
+    Positional tensors by dtype and 16-byte alignment, positional ints by being 1, by
+    divisibility by 16 and by needing 64 bits; keywords (the constexprs and launch options
+    of fastpipe's kernels) and everything else by value.
+    """
+
+    def part(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, v.data_ptr() % 16 == 0)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return v if isinstance(v, (str, float, type(None), bool)) else type(v)
+        return (v == 1, v % 16 == 0, abs(v) >= 2**31)
+
+    named = tuple((k, v if isinstance(v, (int, float, str, bool, type(None))) else part(v)) for k, v in kwargs.items())
+    return tuple(map(part, args)) + tuple(sorted(named, key=lambda kv: kv[0]))
+
+
+def serialize_first_launches(cls: type) -> None:
+    """Compile each of ``cls``'s kernels for a new specialisation in one thread at a time.
+
+    Triton's first launch of a specialisation compiles it and fills caches that have not
+    always been thread-safe (triton-lang/triton#7974, #5933); pipeline stages launch from
+    their own threads. A launch whose :func:`_launch_key` was seen before takes no lock.
+    """
+    if getattr(cls.run, "_fastpipe_first_launch_lock", False):  # type: ignore[attr-defined]
+        return
+    lock = threading.Lock()
+    original = cls.run  # type: ignore[attr-defined]
+
+    def run(self: object, *args: object, **kwargs: object) -> object:
+        seen: set[tuple] = self.__dict__.setdefault("_fastpipe_launched", set())
+        key = _launch_key(args, kwargs)
+        if key in seen:
+            return original(self, *args, **kwargs)
+        with lock:
+            out = original(self, *args, **kwargs)
+            seen.add(key)
+            return out
+
+    run._fastpipe_first_launch_lock = True  # type: ignore[attr-defined]
+    cls.run = run  # type: ignore[attr-defined]
+
+
 if HAS_TRITON and interpreting():
     _serialize_interpreter()
+elif HAS_TRITON:
+    from triton.runtime.jit import JITFunction
+
+    serialize_first_launches(JITFunction)
 
 
 _LARGE_WARNED = False
