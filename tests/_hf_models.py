@@ -23,6 +23,7 @@ PLAN_FAMILIES = {
     "mistral": {"sliding_window": 3},  # a sliding window on every layer, no layer_types
     "qwen2": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2},  # full, then sliding
     "qwen3": {},
+    "phi3": {},  # fused qkv and gate_up projections
     "gemma": {},  # embeddings scaled inside its embedding module
     "gemma3_text": {"sliding_window": 3},  # one rotary table per layer type
 }
