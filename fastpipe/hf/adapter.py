@@ -29,7 +29,7 @@ from fastpipe.side_inputs import Sequential
 
 __all__ = ["UnsupportedModelError", "to_sequential"]
 
-_TESTED = "GPT-2, Llama, Mistral, Qwen2, Qwen3 and Gemma"
+_TESTED = "GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1-3"
 
 
 class UnsupportedModelError(ValueError):
