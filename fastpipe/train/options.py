@@ -17,7 +17,7 @@ from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
-from fastpipe.train.models import MODELS, check_model
+from fastpipe.train.models import HF_MODELS, MODELS, check_model
 
 __all__ = [
     "ASYNC",
@@ -178,6 +178,12 @@ def check_arguments(args: argparse.Namespace, layers: int, virtual: int) -> None
     missing = check_model(args.model)
     if missing:
         raise TrainError(missing)
+    if args.model in HF_MODELS and args.schedule == ASYNC and args.stages * virtual > 1:
+        raise TrainError(
+            f"--model {args.model} ties its embedding across the first and the last stage, and --schedule "
+            f"{ASYNC} steps each stage's optimizer on its own, so it cannot keep the tie; pick a synchronous "
+            "--schedule (1f1b, gpipe, interleaved, zb-h1)"
+        )
     _check_async(args)
 
 

@@ -58,6 +58,12 @@ def test_a_hf_model_trains_on_two_stages_with_its_tied_embedding(tmp_path: objec
     assert report["parameters"] == sum(p.numel() for p in layers.parameters())  # counted once
 
 
+def test_the_asynchronous_schedule_is_refused_for_the_tie(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--model", "hf-llama", "--schedule", "async", "--window", "2"]
+    assert main(["train", *TINY, *flags, "--out", str(tmp_path)]) == 2
+    assert "ties its embedding across the first and the last stage" in capsys.readouterr().err
+
+
 def test_the_default_model_is_fastpipes_own_gpt() -> None:
     args = _args("--layers", "2", "--dim", "32", "--heads", "2")
     assert args.model == "gpt"
