@@ -39,6 +39,11 @@ packages += ["fastpipe.kernels"] + [f"fastpipe.kernels.{name}" for name in find_
 # Triton ships Linux wheels only.
 triton = ["triton; platform_system == 'Linux'"]
 
+# fastpipe.hf (HuggingFace causal LMs as a Pipe-ready Sequential) needs transformers 5, whose
+# configs carry the base_model_pp_plan the adapter reads. Never add torchvision here: transformers
+# imports it when present, and the only wheels served on CPU hosts are CUDA builds that fail to load.
+hf = ["transformers>=5"]
+
 # The version is written once, in fastpipe/_version.py; read as text (importing fastpipe needs torch).
 _version_file = Path(__file__).with_name("fastpipe") / "_version.py"
 version = re.search(r'^__version__ = "([^"]+)"$', _version_file.read_text(encoding="utf-8"), re.M)
@@ -90,13 +95,16 @@ setup(
         "plot": ["matplotlib"],
         # The compiled kernels for CUDA tensors, and the interpreter that runs them on a CPU.
         "triton": triton,
-        # The kernel tests also run under TRITON_INTERPRET=1 (see the README), hence triton.
+        "hf": hf,
+        # The kernel tests also run under TRITON_INTERPRET=1 (see the README), hence triton;
+        # tests/hf compares the adapter with the HF models, hence transformers.
         "test": [
             "pytest",
             "pytest-timeout",
             "matplotlib",
             "hypothesis",
             *triton,
+            *hf,
         ],
         # scikit-learn: bench/xpipe_convergence.py trains on the digits data set it ships.
         "bench": ["matplotlib", "torchgpipe", "scikit-learn"],

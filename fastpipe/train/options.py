@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
-from fastpipe.train.model import LMLoss
+from fastpipe.train.models import HF_MODELS, MODELS, check_model
 
 __all__ = [
     "ASYNC",
@@ -30,11 +31,11 @@ __all__ = [
     "check_arguments",
 ]
 
-StepRunner = Callable[[Pipe, Tensor, Tensor, LMLoss, bool], Tensor]
+StepRunner = Callable[[Pipe, Tensor, Tensor, Any, bool], Tensor]
 
 
 def _train_step(name: str, virtual_stages: int = 1) -> StepRunner:
-    def step(pipe: Pipe, x: Tensor, y: Tensor, loss_fn: LMLoss, trace: bool) -> Tensor:
+    def step(pipe: Pipe, x: Tensor, y: Tensor, loss_fn: Any, trace: bool) -> Tensor:
         return pipe.train_step(x, y, loss_fn, schedule=name, virtual_stages=virtual_stages, trace=trace)
 
     return step
@@ -75,6 +76,13 @@ class TrainError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``fastpipe train`` flags."""
+    p.add_argument(
+        "--model",
+        default=MODELS[0],
+        choices=MODELS,
+        help="gpt: fastpipe's character GPT; hf-gpt2, hf-llama: a HuggingFace GPT-2 or Llama of the same size, "
+        "built from scratch and pipelined through fastpipe.hf with tied embeddings (needs transformers)",
+    )
     p.add_argument(
         "--schedule",
         default="1f1b",
@@ -167,6 +175,15 @@ def check_arguments(args: argparse.Namespace, layers: int, virtual: int) -> None
         raise TrainError("--save-every and --warmup must be >= 0 and --lr > 0")
     if args.save_every and not args.save:
         raise TrainError("--save-every needs --save DIR")
+    missing = check_model(args.model)
+    if missing:
+        raise TrainError(missing)
+    if args.model in HF_MODELS and args.schedule == ASYNC and args.stages * virtual > 1:
+        raise TrainError(
+            f"--model {args.model} ties its embedding across the first and the last stage, and --schedule "
+            f"{ASYNC} steps each stage's optimizer on its own, so it cannot keep the tie; pick a synchronous "
+            "--schedule (1f1b, gpipe, interleaved, zb-h1)"
+        )
     _check_async(args)
 
 

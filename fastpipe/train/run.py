@@ -1,5 +1,8 @@
 """``fastpipe train``: a character-level GPT on the standard library's sources, through ``Pipe``.
 
+``--model`` picks fastpipe's own GPT (the default) or a HuggingFace GPT-2 or Llama of the
+same size, cut by ``fastpipe.hf`` (see :mod:`.models`).
+
 On a GPU host every visible GPU holds one stage (bf16 autocast); otherwise 2 CPU stages run
 one thread each. Per step it logs the loss; at the end it evaluates the validation loss
 against the unigram baseline, profiles one more (untrained) step with a timeline and the
@@ -32,7 +35,7 @@ from fastpipe.trace import Timeline
 from fastpipe.train.evaluate import evaluate, sample_text
 from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses, traced_window
 from fastpipe.train.meter import ActivationMeter
-from fastpipe.train.model import GPTConfig, LMHead, LMLoss, build_gpt
+from fastpipe.train.models import TrainModel, build_model
 from fastpipe.train.options import (
     ASYNC,
     CURVE_KEYS,
@@ -44,7 +47,7 @@ from fastpipe.train.options import (
 )
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, load_run, save_run
-from fastpipe.train.textdata import VOCAB, Corpus, load_corpus, unigram_entropy
+from fastpipe.train.textdata import Corpus, load_corpus, unigram_entropy
 
 __all__ = ["lr_at", "main", "run"]
 
@@ -66,8 +69,9 @@ class _Job:
     autocast: Callable[[], Any]
     corpus: Corpus
     pipe: Pipe
-    head: LMHead
-    loss_fn: LMLoss
+    model: TrainModel
+    loss_fn: Any  # loss_fn(output, target) of train_step
+    logits: Callable[[Tensor], Tensor]  # the logits of an output position (sampling)
     opt: torch.optim.Optimizer
     settings: dict[str, Any]  # saved with a checkpoint and written to the report
 
@@ -91,20 +95,21 @@ class _Job:
         args = self.args
         for step in range(start, stop):  # the data of step n is a function of n: resumes need no data state
             x, y = self.corpus.batch("train", args.batch, args.seq_len, args.seed, step)
-            yield x.to(self.first), y.to(self.last)
+            yield x.to(self.first), self.model.targets(x, y).to(self.last)
 
     def lr(self, step: int) -> float:
         """The learning rate of ``step``."""
         return lr_at(step, self.args.lr, self.args.warmup)
 
 
-def _balance(layers: int, stages: int) -> list[int]:
+def _balance(layers: int, stages: int, tail: int = 1) -> list[int]:
     """Blocks spread evenly (extra ones to the later stages); the embedding joins the first
-    stage and the head the last, both much cheaper than a block."""
+    stage and the ``tail`` layers after the blocks (norm, head) the last, all much cheaper
+    than a block."""
     base, extra = divmod(layers, stages)
     counts = [base + (1 if i >= stages - extra else 0) for i in range(stages)]
     counts[0] += 1
-    counts[-1] += 1
+    counts[-1] += tail
     return counts
 
 
@@ -121,10 +126,10 @@ def _placement(gpus: int, stages: int, virtual: int) -> tuple[list[torch.device]
     return [devices[s % stages] for s in range(stages * virtual)], autocast
 
 
-def _settings(args: argparse.Namespace, cfg: GPTConfig, streamed: bool) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, model: dict[str, Any], streamed: bool) -> dict[str, Any]:
     """The run's configuration; a resumed run must keep its :data:`~.options.CURVE_KEYS`."""
     settings = {
-        "model": cfg.to_dict(),
+        "model": model,
         "batch": args.batch,
         "chunks": args.chunks,
         "stages": args.stages,
@@ -149,19 +154,17 @@ def _build(args: argparse.Namespace) -> _Job:
     devices, autocast = _placement(gpus, args.stages, virtual)
 
     corpus = load_corpus(args.data, max_chars=args.max_chars)
-    cfg = GPTConfig(VOCAB, args.seq_len, args.layers, args.dim, args.heads, args.dropout)
+    model = build_model(args)
     # The asynchronous stream is 1F1B's order without the flush.
     pipe = Pipe(
-        build_gpt(cfg, args.seed),
-        balance=_balance(args.layers, args.stages * virtual),
+        model.layers,
+        balance=_balance(args.layers, args.stages * virtual, model.tail),
         devices=devices,
         chunks=args.chunks,
         checkpoint=args.checkpoint,
         virtual_stages=virtual,
         schedule="1f1b" if runner is None else args.schedule,
     )
-    head = pipe[len(pipe) - 1]
-    assert isinstance(head, LMHead)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     return _Job(
         args,
@@ -171,10 +174,11 @@ def _build(args: argparse.Namespace) -> _Job:
         autocast,
         corpus,
         pipe,
-        head,
-        LMLoss(head),
+        model,
+        model.make_loss(pipe),
+        model.make_logits(pipe),
         opt,
-        _settings(args, cfg, streamed=runner is None),
+        _settings(args, model.settings, streamed=runner is None),
     )
 
 
@@ -317,9 +321,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     job = _build(args)
     history, start_step = _start(job)
     tokens_per_s, fit_run = _train(job, history, start_step)
-    val_loss = evaluate(job.pipe, job.loss_fn, job.corpus, args, job.autocast, job.first, job.last)
+    val_loss = evaluate(job.pipe, job.loss_fn, job.corpus, args, job.autocast, job.first, job.last, job.model.targets)
     profile = _profile(job, fit_run)
-    sample = sample_text(job.pipe, job.head, "def ", args.sample_chars, args.seq_len, args.seed)
+    sample = sample_text(job.pipe, job.logits, "def ", args.sample_chars, args.seq_len, args.seed)
     memory = profile.memory
     if job.first.type == "cuda":
         memory["max_memory_allocated_per_device"] = {

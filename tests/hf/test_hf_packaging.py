@@ -1,0 +1,33 @@
+"""transformers is an optional extra, ``fastpipe[hf]``, that the test extra brings so CI runs tests/hf."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
+
+
+def _extras() -> tuple[list[str], dict[str, list[str]]]:
+    code = textwrap.dedent("""
+        import json, runpy, setuptools
+        seen = {}
+        setuptools.setup = lambda **kwargs: seen.update(kwargs)
+        runpy.run_path("setup.py", run_name="__main__")
+        print(json.dumps([seen["install_requires"], seen["extras_require"]]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    requires, extras = json.loads(out.strip().splitlines()[-1])
+    return requires, extras
+
+
+def test_transformers_is_the_hf_extra_and_part_of_the_test_extra() -> None:
+    requires, extras = _extras()
+    assert extras["hf"] == ["transformers>=5"]
+    assert set(extras["hf"]) <= set(extras["test"])
+    assert not [r for r in requires if r.startswith("transformers")]  # plain installs stay without it
+    # transformers imports torchvision when present, and the CPU hosts get only CUDA wheels of it.
+    assert not [r for group in (requires, *extras.values()) for r in group if r.startswith("torchvision")]
