@@ -102,13 +102,16 @@ class FitRun(Iterator[Tensor]):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"fastpipe: window must be an int >= 1 (mini-batches per drain), got {window!r}")
         ties = getattr(pipe, "ties", None)
-        if ties:
-            tie = ties.ties[0]
+        tied_params = [t for t in ties or () if t.is_parameter]
+        if tied_params:
+            tie = tied_params[0]
             raise ValueError(
                 f"fastpipe: fit steps each stage's optimizer on its own, so it cannot keep '{tie.name}' (stage "
                 f"{tie.owner_stage}) and its use '{tie.reader_name}' (stage {tie.reader_stage}) tied; train with "
                 "train_step and optimizer.step(), or put the tied uses in one stage through balance"
             )
+        if ties:
+            ties.refresh()  # constant buffers (rotary tables): copied once, they stay right for the run
         stages: Any = cast(Any, pipe).runtime.stages  # a list (threads) or a dict of this rank's (distributed)
         self.stages: dict[int, Stage] = dict(enumerate(stages)) if isinstance(stages, list) else dict(stages)
         self.num_stages = len(pipe.balance)  # type: ignore[arg-type]

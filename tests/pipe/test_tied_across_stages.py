@@ -222,3 +222,20 @@ def test_a_tied_pipe_saves_and_loads_like_the_sequential(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(plain.state_dict()[key], value), key
     assert plain[-1].weight is plain[0].wte.weight
+
+
+def test_fit_runs_with_constant_buffers_shared_across_stages():
+    rotary = Rotary()
+    model = nn.Sequential(*[Block(rotary) for _ in range(4)])
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 2], chunks=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = [(torch.randn(4, 5), torch.randn(4, 5)) for _ in range(3)]
+    losses = list(pipe.fit(batches, nn.MSELoss(), opt, consistency="sync"))
+    for (x, y), loss in zip(batches, losses, strict=True):
+        opt_ref.zero_grad()
+        expected = nn.MSELoss()(ref(x), y)
+        expected.backward()
+        opt_ref.step()
+        assert_close_reordered(torch.as_tensor(loss), expected.detach(), k=64)
