@@ -91,12 +91,18 @@ __all__ = [
     "may_draw",
     "current_generator",
     "current_task",
+    "device_lock",
 ]
 
 # -- per-device default generators, and their locks ----------------------------------------
 
 _locks: dict[torch.device, threading.RLock] = {}
 _locks_guard = threading.Lock()
+
+
+def device_lock(device: torch.device) -> threading.RLock:
+    """The lock held while anything swaps or draws from ``device``'s default generator."""
+    return _lock(_normal(device))
 
 
 def _lock(device: torch.device) -> threading.RLock:

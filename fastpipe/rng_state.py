@@ -27,8 +27,9 @@ fastpipe makes the task current (without its per-op interception) around each st
 backward, in the thread that runs it. Limit: a GPU stage's backward started from its
 worker (``train_step``) runs its nodes on autograd's device thread, which does not see
 that; there the recompute restores the task's saved state into the default generator,
-as torch does, and so replays the forward's draws unless another task draws on the same
-device at that moment (two stages sharing a GPU).
+as torch does, holding the per-device locks of :mod:`fastpipe.rng` for the whole region,
+so that another stage sharing the GPU cannot draw from that generator in between and the
+forward's draws are replayed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.overrides import _get_current_function_mode_stack
 
-from fastpipe.rng import current_task
+from fastpipe.rng import current_task, device_lock
 
 __all__ = ["install"]
 
@@ -98,13 +99,49 @@ def _set_cuda(original: Callable[..., None]) -> Callable[..., None]:
     return set_rng_state
 
 
+def _forked_devices(args: tuple, kwargs: dict) -> list[torch.device]:
+    """The generators ``fork_rng(*args, **kwargs)`` saves and restores: the CPU's and its devices'."""
+    devices = kwargs.get("devices", args[0] if args else None)
+    device_type = kwargs.get("device_type", "cuda")
+    if devices is None:
+        module = getattr(torch, device_type, None) if device_type == "cuda" else None
+        count = module.device_count() if module is not None and module.is_available() else 0
+        devices = range(count)
+    out = [torch.device("cpu")]
+    for d in devices:
+        dev = torch.device(device_type, d) if isinstance(d, int) else torch.device(d)
+        if dev.type == "cuda":
+            out.append(dev)
+    return out
+
+
+@contextlib.contextmanager
+def _holding(devices: list[torch.device]) -> Iterator[None]:
+    locks = [device_lock(d) for d in devices]
+    for lock in locks:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
 def _fork(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     @contextlib.contextmanager
     def fork_rng(*args: Any, **kwargs: Any) -> Iterator[None]:
         task = current_task()
-        routed = task is None or any(m is task for m in _get_current_function_mode_stack())
-        with contextlib.nullcontext() if routed else task, original(*args, **kwargs):  # type: ignore[union-attr]
+        if task is None:
+            # No task here: autograd's device thread recomputing a torch.utils.checkpoint
+            # region of a GPU stage, say. Its restore and its draws use the default
+            # generators themselves, which the stage workers swap under the per-device
+            # locks: hold them for the region, so that no other stage draws in between.
+            with _holding(_forked_devices(args, kwargs)), original(*args, **kwargs):
+                yield
+            return
+        routed = any(m is task for m in _get_current_function_mode_stack())
+        with contextlib.nullcontext() if routed else task, original(*args, **kwargs):
             yield
 
     return fork_rng

@@ -114,3 +114,33 @@ def test_inner_checkpoint_on_a_shared_gpu(mode):
     want, got = grads(False), grads(True)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert (want[0] == 0).any()
+
+
+def test_a_fork_outside_any_task_holds_the_generator_locks():
+    """A recompute on a thread without a task (autograd's device thread) restores and draws from the
+    default generators; the stage workers swap those under the same locks, so none can draw in between."""
+    import threading
+
+    import fastpipe  # noqa: F401 - installs the task-aware RNG-state functions
+    from fastpipe.rng import device_lock
+
+    def free_elsewhere() -> bool:
+        got: list[bool] = []
+
+        def probe() -> None:
+            lock = device_lock(torch.device("cpu"))
+            ok = lock.acquire(blocking=False)
+            if ok:
+                lock.release()
+            got.append(ok)
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return got[0]
+
+    assert free_elsewhere()
+    with torch.random.fork_rng(devices=[]):
+        assert not free_elsewhere()
+        torch.rand(2)
+    assert free_elsewhere()
