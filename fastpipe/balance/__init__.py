@@ -6,10 +6,11 @@ The map of the package (each module imports only those above it):
   for the least largest stage cost (the planner's starting point, and ``by_size``'s answer).
 * :mod:`fastpipe.balance.planner`: the planner, pure (no threads, no processes). :func:`plan` searches
   contiguous partitions by branch and bound and scores each one by simulating the chosen schedule
-  (:func:`fastpipe.schedule.simulate`); :func:`predict` simulates one given partition.
-* :mod:`fastpipe.balance.profile`: :func:`profile_layers` runs each layer once per repeat on one
-  micro-batch and measures its forward and backward time, saved activations and parameters
-  (:class:`LayerProfile`).
+  (:func:`fastpipe.schedule.simulate`); of the partitions within a tolerance of the fastest it returns
+  the most even. :func:`predict` simulates one given partition.
+* :mod:`fastpipe.balance.profile`: :func:`profile_layers` runs every layer on one micro-batch (a tensor
+  or a tuple, with side inputs), a warm-up pass and then timed passes, and keeps each layer's fastest
+  forward and backward time, its saved activations and its parameters (:class:`LayerProfile`).
 * :mod:`fastpipe.balance.torchgpipe`: torchgpipe's balancers, :func:`by_time` (profile, then
   :func:`plan`) and :func:`by_size` (profile, then the least largest stage memory).
 * :mod:`fastpipe.balance.auto`: :func:`auto_balance`, the balance behind ``Pipe(..., balance="auto")``.
@@ -20,10 +21,11 @@ Everything public is importable from ``fastpipe.balance`` itself. The planner's 
 
 from fastpipe.balance.auto import auto_balance
 from fastpipe.balance.planner import BalanceError, plan, predict
-from fastpipe.balance.profile import LayerProfile, profile_layers
+from fastpipe.balance.profile import MEASURED_TOLERANCE, LayerProfile, profile_layers
 from fastpipe.balance.torchgpipe import by_size, by_time
 
 __all__ = [
+    "MEASURED_TOLERANCE",
     "BalanceError",
     "LayerProfile",
     "auto_balance",

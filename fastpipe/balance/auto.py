@@ -1,24 +1,28 @@
 """``Pipe(..., balance="auto")``: profile one micro-batch where the stages will run, then plan.
 
 :func:`auto_balance` ties the profiler (:mod:`fastpipe.balance.profile`) to the planner
-(:mod:`fastpipe.balance.planner`): it counts the stages from ``devices``, keeps tied layers in one block,
-turns activation bytes into per-layer memory for the schedule's in-flight micro-batches, and maps the
-planned blocks back to layers.
+(:mod:`fastpipe.balance.planner`): it counts the stages from ``devices``, cuts one micro-batch (and its side
+inputs) from the sample, turns activation bytes into per-layer memory for the schedule's in-flight
+micro-batches, and plans with the profile's noise as the planner's tolerance. Tied layers (a layer used
+twice, a shared weight) are planned like any others: ``Pipe`` gives a reader stage its own copy of the
+tied weight.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from fastpipe.balance.planner import BalanceError, plan
-from fastpipe.balance.profile import LayerProfile, profile_layers
-from fastpipe.partition import resolve_devices, tied_blocks, widest_tie
+from fastpipe.balance.profile import MEASURED_TOLERANCE, LayerProfile, Timer, profile_layers
+from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of
+from fastpipe.partition import resolve_devices
 from fastpipe.schedule import ScheduleError, build, simulate
+from fastpipe.side_inputs import broadcast, check_side_inputs, split_side_inputs
 
 __all__ = ["auto_balance", "resolve_balance"]
 
@@ -33,75 +37,91 @@ def auto_balance(
     virtual_stages: int = 1,
     memory_limit: float | None = None,
     param_scale: float = 4.0,
-    repeats: int = 3,
+    repeats: int = 5,
+    side_inputs: Mapping[str, Any] | None = None,
+    tolerance: float = MEASURED_TOLERANCE,
+    timer: Timer | None = None,
 ) -> list[int]:
     """The balance behind ``Pipe(..., balance="auto")``.
 
-    Profiles one micro-batch of ``sample`` (its first ``ceil(batch / chunks)`` rows) and returns
-    :func:`plan`'s balance for ``schedule``, with one stage per entry of ``devices`` (``None``: one per
-    visible GPU).
+    Profiles one micro-batch of ``sample`` (its first ``ceil(batch / chunks)`` rows, and the side inputs
+    split to match, as ``Pipe`` splits them) and returns :func:`plan`'s balance for ``schedule``, with one
+    stage per entry of ``devices`` (``None``: one per visible GPU). Plans whose simulated time is within
+    ``tolerance`` of the fastest tie, and the most even of them wins, so reruns give the same plan.
 
     With ``memory_limit``, a layer needs ``activation_bytes x in_flight + param_scale x parameter_bytes``,
     where ``in_flight`` is the schedule's largest number of (stage, micro-batch) activations alive on one
     worker (a safe upper bound for any one stage) and ``param_scale`` counts parameter, gradient and
     optimizer state (4 for Adam).
 
+    Args:
+        module: the model.
+        devices: one entry per stage.
+        sample: a mini-batch like the real ones: a tensor, or a tuple whose tensors share dim 0.
+        chunks: micro-batches per mini-batch.
+        schedule: the schedule to plan for.
+        virtual_stages: stages per worker (``interleaved``).
+        memory_limit: the most bytes one stage may need.
+        param_scale: parameter, gradient and optimizer copies per parameter byte.
+        repeats: timed profiling passes (each layer's time is its fastest).
+        side_inputs: the side inputs of ``sample``'s mini-batch, by name, as ``pipe(x, **side_inputs)``
+            takes them.
+        tolerance: the relative margin of simulated time within which plans tie.
+        timer: the profiler's clock, in seconds (``None``: the wall clock; see :func:`profile_layers`).
+
     Raises:
         BalanceError: when the stage count is unknown, or no partition fits.
-        TypeError: when ``sample`` is not a tensor.
+        TypeError: when ``sample`` is neither a tensor nor a tuple holding one.
     """
     if sample is None:
         raise BalanceError('balance="auto" needs sample=<a mini-batch like the real ones> to profile on')
     stages = _stage_count(devices)
-    # Tied layers (a layer used twice, shared parameters) are planned as one block, so the
-    # balance never splits them across stages (which Pipe refuses).
-    blocks = tied_blocks(module)
-    if len(blocks) < stages:
-        tie = widest_tie(module)
-        if len(blocks) == len(module) or tie is None:
-            raise BalanceError(f"{len(module)} layers cannot fill {stages} stages; use at most {len(module)} devices")
-        name, first, last = tie
+    if len(module) < stages:
         raise BalanceError(
-            f"{len(module)} layers cannot fill {stages} stages: '{name}' is used by layers {first} and {last} (a "
-            f"tied weight), and stages are contiguous, so layers {first}..{last} must share one stage, which leaves "
-            f"{len(blocks)} blocks to place. Use at most {len(blocks)} devices, or untie the weight (give each use "
-            "its own copy)"
+            f"{len(module)} layers cannot fill {stages} stages (each holds at least one layer); use at most "
+            f"{len(module)} devices, or split the model into more layers"
         )
     if stages % virtual_stages:
-        raise BalanceError(f"{stages} stages do not split into workers of virtual_stages={virtual_stages}")
-    if not isinstance(sample, torch.Tensor):
-        raise TypeError(f'balance="auto" needs sample= as a Tensor (a mini-batch), got {type(sample).__name__}')
-    rows = max(1, math.ceil(sample.shape[0] / chunks)) if sample.dim() else 1
+        raise BalanceError(
+            f"{stages} stages do not split into workers of virtual_stages={virtual_stages}; give a number of "
+            f"devices that is a multiple of {virtual_stages}"
+        )
+    check_value(sample, "sample")
+    value = cast(Value, sample)
+    side = side_inputs or {}
+    check_side_inputs(module, side, grad=True)  # names first: a wrong name is the likelier mistake
+    micro, micro_side = _one_microbatch(value, chunks, side)
     # Measured where the stages will run (the first stage's device; the planner takes the
     # stages as alike), not wherever the layers sit before the Pipe moves them.
     target = resolve_devices(cast(Any, devices), stages)[0]
-    profile = profile_layers(module, sample[:rows] if sample.dim() else sample, repeats=repeats, on=target)
+    profile = profile_layers(module, micro, repeats=repeats, on=target, side_inputs=micro_side, timer=timer)
     workers = stages // virtual_stages
     memory = None
     if memory_limit is not None:
         memory = _layer_memory(profile, schedule, workers, chunks, virtual_stages, param_scale)
-    bounds = [0]
-    for size in blocks:
-        bounds.append(bounds[-1] + size)
-
-    def per_block(values: Sequence[float]) -> list[float]:
-        return [float(sum(values[a:b])) for a, b in zip(bounds, bounds[1:])]
-
-    balance = plan(
-        per_block(profile.forward),
-        per_block(profile.backward),
+    return plan(
+        profile.forward,
+        profile.backward,
         workers,
         microbatches=chunks,
         schedule=schedule,
-        memory=None if memory is None else per_block(memory),
+        memory=memory,
         memory_limit=memory_limit,
         virtual_stages=virtual_stages,
+        tolerance=tolerance,
     )
-    out, block = [], 0
-    for count in balance:  # blocks per stage back to layers per stage
-        out.append(sum(blocks[block : block + count]))
-        block += count
-    return out
+
+
+def _one_microbatch(sample: Value, chunks: int, side: Mapping[str, Any]) -> tuple[Value, dict[str, Any]]:
+    """The first micro-batch of ``sample`` and its side inputs, as ``Pipe`` would cut them."""
+    if isinstance(sample, torch.Tensor) and sample.dim() == 0:
+        return sample, {k: broadcast(v) for k, v in split_side_inputs(side, 1, 1, 1)[0].items()}
+    batch = batch_size(sample, "sample")
+    rows = max(1, math.ceil(batch / chunks))
+    micro = replace_tensors(sample, [t[:rows] for t in tensors_of(sample)])
+    first = split_side_inputs(side, batch, chunks, math.ceil(batch / rows))[0]
+    # Already one micro-batch's: the profiler hands them whole to every layer.
+    return micro, {k: broadcast(v) for k, v in first.items()}
 
 
 def _stage_count(devices: Sequence[object] | None) -> int:
@@ -138,12 +158,16 @@ def resolve_balance(
     chunks: int,
     schedule: str,
     virtual_stages: int,
+    side_inputs: Mapping[str, Any] | None = None,
 ) -> object:
     """What ``Pipe``'s ``balance=`` asks for: a list as given (``check_balance`` checks it) or the one "auto" plans.
 
+    ``side_inputs`` are the sample's side inputs (``Pipe``'s ``sample_side_inputs=``), by name, for the
+    layers that declare them.
+
     Raises:
-        TypeError: ``balance`` is missing or another string, or ``sample``/``memory_limit`` come
-            without ``balance="auto"``, which they are for.
+        TypeError: ``balance`` is missing or another string, or ``sample``/``memory_limit``/
+            ``sample_side_inputs`` come without ``balance="auto"``, which they are for.
     """
     if balance is None:
         raise TypeError(
@@ -152,7 +176,8 @@ def resolve_balance(
             "or balance='auto' to plan it from a sample mini-batch (sample=x)"
         )
     if not isinstance(balance, str):
-        unused = [k for k, v in (("sample", sample), ("memory_limit", memory_limit)) if v is not None]
+        given = (("sample", sample), ("memory_limit", memory_limit), ("sample_side_inputs", side_inputs))
+        unused = [k for k, v in given if v is not None]
         if unused:
             raise TypeError(
                 f"fastpipe: {' and '.join(unused)} only apply to balance='auto' (they plan the "
@@ -169,4 +194,5 @@ def resolve_balance(
         schedule=schedule,
         virtual_stages=virtual_stages,
         memory_limit=memory_limit,
+        side_inputs=side_inputs,
     )
