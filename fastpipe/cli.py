@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fastpipe.balance import BalanceError, plan, predict
+from fastpipe.balance import MEASURED_TOLERANCE, BalanceError, plan, predict
 from fastpipe.schedule import SCHEDULES, ScheduleError, build
 
 __all__ = ["build_parser", "main"]
@@ -230,6 +230,7 @@ def _plan(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
         comm=args.comm,
         virtual_stages=args.virtual_stages,
+        tolerance=MEASURED_TOLERANCE if args.model is not None else 0.0,  # profiled costs are noisy
     )
     timeline = predict(
         balance,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -84,13 +84,12 @@ class Pipe(nn.Module):
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
             since its backward comes later, from autograd).
         virtual_stages: the default stages per worker of the ``"interleaved"`` schedule.
-        sample: with ``balance="auto"``: a mini-batch like the ones to come. Each layer's
-            forward and backward time and memory are profiled on one micro-batch of it,
-            and the planner picks the contiguous split with the least simulated step time
-            of ``schedule`` (:func:`fastpipe.balance.plan`).
-        memory_limit: with ``balance="auto"``: the most bytes (activations of all
-            micro-batches in flight plus parameters, gradients and optimizer state) one
-            stage may need.
+        sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
+            costs are profiled on one micro-batch; of the splits within 5% of the least
+            simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
+        memory_limit: with ``balance="auto"``: the most bytes (activations in flight plus
+            parameters, gradients and optimizer state) one stage may need.
+        sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
         process_group, mesh: refused with a pointer to :class:`fastpipe.DistributedPipe`,
             which runs one stage per process over ``torch.distributed`` (``torchrun``).
 
@@ -118,6 +117,7 @@ class Pipe(nn.Module):
         virtual_stages: int = 1,
         sample: Value | None = None,
         memory_limit: float | None = None,
+        sample_side_inputs: Mapping[str, Any] | None = None,
         process_group: Any = None,
         mesh: Any = None,
     ) -> None:
@@ -140,6 +140,7 @@ class Pipe(nn.Module):
             devices,
             sample=sample,
             memory_limit=memory_limit,
+            side_inputs=sample_side_inputs,
             chunks=chunks,
             schedule=schedule,
             virtual_stages=virtual_stages,
@@ -162,8 +163,7 @@ class Pipe(nn.Module):
         self.virtual_stages = virtual_stages
         self.last_timeline: Timeline | None = None
 
-        # Register the layers under their own names (state_dict keys match the
-        # Sequential's); the stages are plain lists so they do not register twice.
+        # The layers under their own names (the Sequential's state_dict keys); stages stay a plain list.
         for name, layer in layers_of(module):
             self.add_module(name, layer)
         stage_modules, ties = split_tied(module, balance)

@@ -125,7 +125,7 @@ def profile_layers(
         x = to_device(x, target)
     clock = _Clock(time.perf_counter, _involuntary_switches) if timer is None else _Clock(timer, lambda: 0)
     layers = [layer for _, layer in layers_of(module)]  # every entry: children() would skip a layer used twice
-    with _grads_set_aside(module):
+    with _grads_set_aside(module), _state_kept(module, target):
         start = _Input(x, [t.is_floating_point() for t in tensors_of(x)])
         inputs, acts, first = _first_pass(layers, start, side, target, clock)
         fastest = [_Fastest() for _ in layers]
@@ -275,6 +275,25 @@ def _grads_set_aside(module: nn.Module) -> Iterator[None]:
     finally:
         for p, g in zip(params, grads):
             p.grad = g
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module, target: torch.device | None) -> Iterator[None]:
+    """Buffers and torch's random generators as they were before the block.
+
+    Profiling runs the layers in training mode, which moves BatchNorm's running statistics and
+    advances the generators dropout draws from; neither may differ from a run without it.
+    """
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    places = {t.device for t in [*module.parameters(), *module.buffers()]} | ({target} if target else set())
+    cuda = sorted({d.index or 0 for d in places if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
 
 @contextlib.contextmanager

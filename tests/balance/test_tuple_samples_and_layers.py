@@ -136,3 +136,19 @@ def test_refusals_name_the_value() -> None:
         profile_layers(nn.Sequential(nn.ReLU()), [torch.randn(2, 4)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"disagree on the batch size \(dim 0\): \[2, 3\]"):
         auto_balance(nn.Sequential(nn.ReLU(), nn.ReLU()), ["cpu"] * 2, (torch.randn(2), torch.randn(3)), chunks=1)
+
+
+def test_profiling_leaves_no_trace_on_statistics_or_random_state():
+    import torch
+    from torch import nn
+
+    from fastpipe.balance import profile_layers
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(8, 4) * 3 + 1
+    rng = torch.get_rng_state()
+    profile_layers(model, sample)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
