@@ -62,9 +62,11 @@ def _launch(stage: int, grads: list[Tensor | None], index: list[int], group: Any
     return Bucket(stage, dist.all_reduce(flat, group=group, async_op=True), flat, index)
 
 
-def finish_reduce(grads: list[Tensor | None], bucket: Bucket, group: Any) -> None:
-    """After ``bucket``'s all-reduce completed: its mean, viewed back into ``grads``."""
-    bucket.flat.div_(dist.get_world_size(group))
+def finish_reduce(grads: list[Tensor | None], bucket: Bucket, group: Any, *, average: bool = True) -> None:
+    """After ``bucket``'s all-reduce completed: its mean (or, with ``average=False``, its sum), viewed back
+    into ``grads``."""
+    if average:
+        bucket.flat.div_(dist.get_world_size(group))
     offset = 0
     for i in bucket.index:
         g = grads[i]
