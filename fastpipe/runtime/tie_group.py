@@ -12,8 +12,12 @@ stay bitwise equal because every rank applies the same update to the same value:
   and NCCL's reduce each element once and broadcast it), so the updates match bit for bit.
 
 Only the ranks that own a use take part; with data parallelism each replica has its own
-groups (they are made from the replica's pipeline ranks). A step that is skipped
-(``on_nan="skip"``) is skipped by every rank of the pipeline, so the groups stay in step.
+groups (they are made from the replica's pipeline ranks). A tie over all the pipeline's
+ranks (any tie of a 2-rank pipeline) runs on the pipeline group; a tie over some of them
+needs a new group, which every rank of the default group makes, so then every rank builds
+its DistributedPipe (all replicas at once). A step that is skipped (``on_nan="skip"``) is
+skipped by every rank of the pipeline, and a GradScaler's step still reduces, so the
+groups stay in step.
 
 A buffer used across ranks (a rotary table) is broadcast once and must stay constant: a step
 that writes into it raises, as a write into a copied buffer does in :class:`fastpipe.Pipe`.
@@ -34,7 +38,8 @@ from fastpipe.errors import PipelineError
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DistributedRuntime
 from fastpipe.runtime.dp_reduce import finish_reduce, start_reduce
-from fastpipe.runtime.rank_stages import RankStages, tensor_at
+from fastpipe.runtime.rank_stages import RankStages, Use, tensor_at
+from fastpipe.runtime.ranks import gather_objects
 from fastpipe.runtime.step import Stage
 from fastpipe.ties import Location, TiedWeights
 
@@ -109,6 +114,7 @@ class RankTies:
         self.groups: list[_Group] = []
         device = next(iter(stages.values())).device if stages else torch.device("cpu")
         backend = backend_for(runtime.group, device)
+        tied: list[tuple[tuple[int, ...], int, list[Use]]] = []  # (ranks, owner's global rank, this rank's uses)
         for k, expected in enumerate(built.expected):
             rows = sorted(
                 ((r, *row) for r, report in enumerate(reports) for row in report[k]), key=lambda row: (row[1], row[0])
@@ -121,16 +127,19 @@ class RankTies:
                 if row[1] not in seen_stages:
                     seen_stages.add(row[1])
                     self.ties.append(TieInfo(owner[2], row[2], owner[1], row[1], ranks))
-            uses = built.uses[k]
-            if len(ranks) < 2 or not uses:
+            if len(ranks) > 1:
+                tied.append((ranks, runtime.global_rank_of(owner[0]), built.uses[k]))
+        made = _groups(sorted({ranks for ranks, _, _ in tied}), runtime, backend)
+        for ranks, owner_rank, uses in tied:
+            if not uses:
                 continue
             group = next((g for g in self.groups if g.ranks == ranks), None)
             if group is None:
-                group = _Group(ranks, _new_group(ranks, backend, runtime.timeout))
+                group = _Group(ranks, made[ranks])
                 self.groups.append(group)
             loc = uses[0].locations[0]
             group.names.append(uses[0].name)
-            self._shared.append(_Shared(uses[0].name, loc, runtime.global_rank_of(owner[0]), group))
+            self._shared.append(_Shared(uses[0].name, loc, owner_rank, group))
             tensor = tensor_at(loc)
             if loc[2] and tensor.requires_grad:
                 index = next(i for i, p in enumerate(self._params[uses[0].stage]) if p is tensor)
@@ -207,17 +216,34 @@ def _mark(shared: _Shared) -> None:
     shared.seen = (t.data_ptr(), t._version)
 
 
-def _new_group(ranks: tuple[int, ...], backend: str, timeout: float) -> Any:
-    """A process group of ``ranks``, made by those ranks only, within ``timeout``."""
-    try:
-        return dist.new_group(
-            list(ranks), backend=backend, use_local_synchronization=True, timeout=datetime.timedelta(seconds=timeout)
-        )
-    except Exception as exc:  # noqa: BLE001 - the store barrier inside timed out: a rank is missing
-        raise PipelineError(
-            f"fastpipe: setting up the tied weights' group of ranks {list(ranks)}: not every rank arrived within "
-            f"{timeout:g} s (a rank died, hangs, or was built with other ties): {exc}"
-        ) from exc
+def _groups(wanted: Sequence[tuple[int, ...]], runtime: DistributedRuntime, backend: str) -> dict[tuple[int, ...], Any]:
+    """A process group for each set of ranks in ``wanted`` (the same list on every rank of the pipeline).
+
+    A tie over all the pipeline's ranks uses the pipeline group, which the step already runs
+    collectives on. Any other set is a new group, and ``dist.new_group`` must then be called
+    by every rank of the default group, for every group, in one order (a group made by its
+    members alone is named from a count that differs between ranks): the ranks pool the
+    sets their pipelines need (all data-parallel replicas') and each makes all of them.
+    """
+    whole = tuple(sorted(runtime.global_rank_of(r) for r in range(runtime.size)))
+    out: dict[tuple[int, ...], Any] = {ranks: runtime.group for ranks in wanted if ranks == whole}
+    subsets = [ranks for ranks in wanted if ranks != whole]
+    if not subsets:
+        return out
+    world = dist.group.WORLD
+    what = f"creating the tied weights' groups {[list(r) for r in subsets]} (every rank builds its DistributedPipe)"
+    everyone = gather_objects([(ranks, backend) for ranks in subsets], world, what, runtime.timeout)
+    for ranks, kind in sorted({(tuple(r), b) for pooled in everyone for r, b in pooled}):
+        try:
+            group = dist.new_group(list(ranks), backend=kind, timeout=datetime.timedelta(seconds=runtime.timeout))
+        except Exception as exc:  # noqa: BLE001 - gloo's connect timed out: a member is missing
+            raise PipelineError(
+                f"fastpipe: setting up the tied weights' group of ranks {list(ranks)}: not every rank arrived "
+                f"within {runtime.timeout:g} s (a rank died, hangs, or was built with other ties): {exc}"
+            ) from exc
+        if ranks in subsets:
+            out[ranks] = group
+    return out
 
 
 def _check_uses(expected: Sequence[str], rows: Sequence[tuple[Any, ...]], runtime: DistributedRuntime) -> None:

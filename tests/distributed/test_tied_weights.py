@@ -219,3 +219,78 @@ def test_declared_ties_of_stages_built_apart_train_as_the_ties_of_the_whole_mode
         assert "tie ('0.wte.weight', '9.weights'): no rank's stages hold ['9.weights']" in rank["missing"]
         assert "'0.wte.weight' on rank 0: parameter float32 (11, 6)" in rank["shape"]
         assert "'5.weight' on rank 1: parameter float32 (6, 6)" in rank["shape"]
+
+
+def gpt4(seed: int = 0) -> nn.Sequential:
+    """gpt() whose block is used on 3 stages of [2, 3, 2, 3]: a group of ranks {0, 2, 3}, and {0, 3} for the head."""
+    torch.manual_seed(seed)
+    embed = Embed()
+    head = nn.Linear(DIM, VOCAB, bias=False)
+    head.weight = embed.wte.weight
+    block = nn.Linear(DIM, DIM)
+    layers = [embed, block, nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), block, nn.Tanh(), block]
+    return nn.Sequential(*layers, nn.LayerNorm(DIM), head)
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    out: dict = {}
+    pipe = DistributedPipe(gpt4(), [2, 3, 2, 3], chunks=4, timeout=20)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    for step in range(3):
+        opt.zero_grad()
+        _step(pipe, step)
+        opt.step()
+    out["pp4"] = dict(pipe.state_dict())
+    out["groups"] = [g.ranks for g in pipe.ties.groups]
+    pipe.close()
+    # 2 pipeline ranks x 2 replicas: each replica's ranks tie their own copies.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
+    pipe = DistributedPipe(gpt(), LAYOUTS["1f1b"], chunks=2, mesh=mesh, timeout=20)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    for step in range(3):
+        ids, y = batch(step)
+        opt.zero_grad()
+        pipe.train_step(ids[half] if pipe.is_first else None, y[half] if pipe.is_last else None, TokenCE())
+        opt.step()
+    out["pp2dp2"] = dict(pipe.state_dict())
+    out["dp_groups"] = [g.ranks for g in pipe.ties.groups]
+    pipe.close()
+    return out
+
+
+def _trained(build, steps: int = 3) -> dict:
+    ref = build()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    for step in range(steps):
+        ids, y = batch(step)
+        opt.zero_grad()
+        TokenCE()(ref(ids), y).backward()
+        opt.step()
+    return ref.state_dict()
+
+
+def test_ties_over_three_of_four_ranks_and_per_data_parallel_replica() -> None:
+    ranks = check_ok(run_ranks(_four_ranks, 4, timeout=120))
+    # gloo's all-reduce hands every member the same bits, also over 3 ranks.
+    assert [r["groups"] for r in ranks] == [[(0, 2, 3), (0, 3)], [], [(0, 2, 3)], [(0, 2, 3), (0, 3)]]
+    block = [ranks[0]["pp4"]["1.weight"], ranks[2]["pp4"]["5.weight"], ranks[3]["pp4"]["7.weight"]]
+    assert all(torch.equal(b, block[0]) for b in block)
+    assert torch.equal(ranks[0]["pp4"]["0.wte.weight"], ranks[3]["pp4"]["9.weight"])
+    mine = {k: v for r in ranks for k, v in r["pp4"].items()}
+    for n, value in _trained(gpt4).items():
+        assert_close_reordered(mine[n], value, k=4096, msg=n)
+    # The mesh's pipelines are ranks {0, 2} and {1, 3}: one tie group in each.
+    assert [r["dp_groups"] for r in ranks] == [[(0, 2)], [(1, 3)], [(0, 2)], [(1, 3)]]
+    for n, value in _trained(gpt).items():
+        copies = [r["pp2dp2"][m] for r in ranks for m in (n, TIED.get(n)) if m in r["pp2dp2"]]
+        assert len(copies) == 2 + 2 * (n in TIED), n  # one per replica, and the tie's copies
+        assert all(torch.equal(c, copies[0]) for c in copies), n
+        assert_close_reordered(copies[0], value, k=4096, msg=n)
+
+
+TIED = {"0.wte.weight": "9.weight", "3.weight": "7.weight", "3.bias": "7.bias"}
