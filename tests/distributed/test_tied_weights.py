@@ -294,3 +294,50 @@ def test_ties_over_three_of_four_ranks_and_per_data_parallel_replica() -> None:
 
 
 TIED = {"0.wte.weight": "9.weight", "3.weight": "7.weight", "3.bias": "7.bias"}
+
+
+class PoisonedCE(TokenCE):
+    """TokenCE whose loss is NaN while ``poisoned`` (set on every rank; only the last one runs it)."""
+
+    poisoned = False
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(logits, target)
+        return loss * float("nan") if self.poisoned else loss
+
+
+def _skipped(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    runs = {}
+    for name in ("clean", "skip", "scaler"):
+        pipe = DistributedPipe(gpt(), LAYOUTS["1f1b"], chunks=4, on_nan="skip", timeout=20)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**12) if name == "scaler" else None
+        loss_fn = PoisonedCE()
+        for step in [0, 1, 2] if name == "clean" else [0, None, 1, 2]:  # None: a step whose loss is NaN
+            loss_fn.poisoned = step is None
+            ids, y = batch(step or 0)
+            opt.zero_grad()
+            pipe.train_step(ids if pipe.is_first else None, y if pipe.is_last else None, loss_fn, scaler=scaler)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+        runs[name] = dict(pipe.state_dict())
+        pipe.close()
+    return runs
+
+
+def test_a_skipped_step_keeps_the_tie_groups_in_step_with_on_nan_and_a_grad_scaler() -> None:
+    first, last = check_ok(run_ranks(_skipped, 2, timeout=90))
+    for rank in (first, last):
+        for name in ("skip", "scaler"):  # a scale that is a power of 2 unscales exactly
+            for n, value in rank[name].items():
+                assert torch.equal(value, rank["clean"][n]), (name, n)
+    for name in ("clean", "skip", "scaler"):
+        for owner, reader in TIED.items():
+            assert torch.equal(first[name][owner], last[name][reader]), (name, owner)
