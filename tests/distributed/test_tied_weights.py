@@ -40,15 +40,15 @@ class TokenCE(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def gpt(seed: int = 0) -> nn.Sequential:
-    """Embedding ... head tied to it (GPT-2's tie), and a block used twice (layers 3 and 7)."""
+def gpt(seed: int = 0, block_at: tuple[int, ...] = (3, 7)) -> nn.Sequential:
+    """Embedding, 7 layers, LayerNorm, head tied to the embedding (GPT-2's tie); one block used at ``block_at``."""
     torch.manual_seed(seed)
     embed = Embed()
     head = nn.Linear(DIM, VOCAB, bias=False)
     head.weight = embed.wte.weight
     block = nn.Linear(DIM, DIM)
-    layers = [embed, nn.Linear(DIM, DIM), nn.Tanh(), block, nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), block]
-    return nn.Sequential(*layers, nn.LayerNorm(DIM), head)
+    middle = [block if i in block_at else nn.Tanh() if i % 2 == 0 else nn.Linear(DIM, DIM) for i in range(1, 8)]
+    return nn.Sequential(embed, *middle, nn.LayerNorm(DIM), head)
 
 
 # 2 stages: both ties cross the ranks. Interleaved, stages 1 and 3 are rank 1's: the block's
@@ -223,13 +223,7 @@ def test_declared_ties_of_stages_built_apart_train_as_the_ties_of_the_whole_mode
 
 def gpt4(seed: int = 0) -> nn.Sequential:
     """gpt() whose block is used on 3 stages of [2, 3, 2, 3]: a group of ranks {0, 2, 3}, and {0, 3} for the head."""
-    torch.manual_seed(seed)
-    embed = Embed()
-    head = nn.Linear(DIM, VOCAB, bias=False)
-    head.weight = embed.wte.weight
-    block = nn.Linear(DIM, DIM)
-    layers = [embed, block, nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), block, nn.Tanh(), block]
-    return nn.Sequential(*layers, nn.LayerNorm(DIM), head)
+    return gpt(seed, block_at=(1, 5, 7))
 
 
 def _four_ranks(rank: int, world: int) -> dict:
