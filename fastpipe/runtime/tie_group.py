@@ -172,7 +172,8 @@ class RankTies:
         self.local.refresh()
 
     def check_constant(self) -> None:
-        """Raise, on every rank, if the step wrote into a buffer that is shared with another stage."""
+        """Raise if the step wrote into a buffer shared with another stage (the other ranks raise
+        PipelineError at their next wait)."""
         try:
             self.local.check_constant()
             for shared in self._shared:
@@ -185,7 +186,7 @@ class RankTies:
                             "each and must stay constant (e.g. rotary tables, not BatchNorm statistics). Put its uses "
                             "in one stage through balance, or give each use its own module"
                         )
-                _mark(shared)
+                    _mark(shared)
         except RuntimeError as exc:
             self._runtime.watchdog.fail(f"rank {self._runtime.global_rank} raised RuntimeError: {exc}")
             raise

@@ -335,3 +335,70 @@ def test_a_skipped_step_keeps_the_tie_groups_in_step_with_on_nan_and_a_grad_scal
     for name in ("clean", "skip", "scaler"):
         for owner, reader in TIED.items():
             assert torch.equal(first[name][owner], last[name][reader]), (name, owner)
+
+
+class Rotary(nn.Module):
+    """Constant buffers only, like a rotary embedding shared by every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Rotated(nn.Module):
+    def __init__(self, rotary: Rotary) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(self.rotary(x)))
+
+
+def rotated(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    rotary = Rotary()
+    return nn.Sequential(*[Rotated(rotary) for _ in range(4)])
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=g)
+
+
+def _buffers(rank: int, world: int) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    x, y = inputs()
+    pipe = DistributedPipe(rotated(), [2, 2], chunks=2, timeout=20)
+    loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+    out: dict = {"loss": loss, "grads": {n: p.grad for n, p in pipe.named_parameters()}, "ties": list(pipe.ties)}
+    norm = nn.BatchNorm1d(DIM)
+    pipe = DistributedPipe(nn.Sequential(norm, nn.Linear(DIM, DIM), norm), [2, 1], timeout=20)
+    try:
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["written"] = (type(exc).__name__, str(exc))
+    return out
+
+
+def test_a_module_of_constant_buffers_is_replicated_across_ranks_and_a_written_one_refused() -> None:
+    ranks = check_ok(run_ranks(_buffers, 2, timeout=60))
+    ref = rotated()
+    x, y = inputs()
+    loss_ref = nn.MSELoss()(ref(x), y)
+    loss_ref.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for rank in ranks:
+        assert [(t.name, t.reader_name, t.ranks) for t in rank["ties"]] == [
+            ("0.rotary.scale", "2.rotary.scale", (0, 1))
+        ]
+        assert_close_reordered(rank["loss"], loss_ref.detach(), k=K)
+        for n, g in rank["grads"].items():
+            assert_close_reordered(g, grads[n], k=K, msg=n)
+        kind, message = rank["written"]
+        assert kind in ("RuntimeError", "PipelineError") and "wrote into buffer '" in message, message
+        assert "must stay constant" in message
