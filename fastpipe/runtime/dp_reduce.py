@@ -4,7 +4,8 @@ Each stage's reduction starts as soon as its last backward of the step has run, 
 overlaps the backward of the stages still running on this rank; the step waits for them
 all at its end. Gradients are flattened into buckets of at most ``bucket_bytes`` of one
 dtype, which keeps the number of collectives small without holding a copy of every
-gradient at once.
+gradient at once. The gradients of weights tied across ranks are summed the same way
+(:mod:`fastpipe.runtime.tie_group`).
 """
 
 from __future__ import annotations

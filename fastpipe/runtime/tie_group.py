@@ -8,8 +8,9 @@ stay bitwise equal because every rank applies the same update to the same value:
   other ranks of the group;
 * after every backward (after the data-parallel average), the primaries' gradients are
   all-reduced (summed) over the group: each rank then holds the gradient of all the uses,
-  as the plain model's parameter would. All-reduce hands every rank the same result (gloo's
-  and NCCL's reduce each element once and broadcast it), so the updates match bit for bit.
+  as the plain model's parameter would. All-reduce hands every rank the same bits (its ring
+  and tree algorithms reduce each element once, then pass the result on; the tests check it
+  on gloo over 2 and 3 ranks), so the updates match bit for bit.
 
 Only the ranks that own a use take part; with data parallelism each replica has its own
 groups (they are made from the replica's pipeline ranks). A tie over all the pipeline's
