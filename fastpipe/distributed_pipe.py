@@ -13,11 +13,15 @@ Rank ``r`` of the pipeline group holds stage ``r``; with more stages than ranks
 (``len(balance) = K * v``, schedule ``"interleaved"``) it holds stages ``r, r+K, …``.
 With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
 ``"dp"``), every stage's gradients are averaged over its data-parallel replicas.
+
+Side inputs (``train_step(x, y, loss_fn, attention_mask=mask)``) are passed by every rank,
+each with the same values: each rank splits its own copy into micro-batches, nothing is sent.
+A tensor that layers on several stages share (a tied embedding) is one tensor per rank that
+uses it, kept equal across ranks (:mod:`fastpipe.runtime.tie_group`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -30,22 +34,18 @@ from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
-from fastpipe.partition import (
-    check_balance,
-    check_materialised,
-    check_module,
-    first_layer_in_place,
-    layers_of,
-    split,
-)
+from fastpipe.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.param_hooks import accumulate_grads
-from fastpipe.runtime.ranks import check_same_settings, pipeline_groups
+from fastpipe.runtime.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
+from fastpipe.runtime.ranks import check_same_settings, gather_objects, pipeline_groups
 from fastpipe.runtime.step import LossSpec, Stage
+from fastpipe.runtime.tie_group import RankTies
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule.builders import build_for
+from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import (
     Checkpoint,
     check_checkpoint,
@@ -60,8 +60,6 @@ from fastpipe.step_rules import (
 from fastpipe.trace import Timeline
 
 __all__ = ["DistributedPipe"]
-
-StageBuilder = Callable[[int], nn.Module]
 
 
 class DistributedPipe(nn.Module):
@@ -90,7 +88,15 @@ class DistributedPipe(nn.Module):
             (naming step and micro-batch), or ``"skip"`` s the step: no gradients are
             accumulated and the non-finite loss is returned.
         free_others: release the layers of other ranks' stages in ``module``.
-        bucket_bytes: size of one data-parallel gradient all-reduce bucket.
+        bucket_bytes: size of one data-parallel (or tied-weight) gradient all-reduce bucket.
+
+    A tensor that layers on several stages use (an embedding tied to the head) is found in
+    ``module``. Each rank that uses it holds its own under the Sequential's name of its first
+    use there (``"0.wte.weight"``; ``"9.weight"`` on the head's rank), which
+    :func:`fastpipe.save` loads into the tied Sequential. The first stage's value is
+    broadcast at construction and the gradient summed over those ranks after every backward
+    (:mod:`fastpipe.runtime.tie_group`), so the optimizers keep the copies bitwise equal.
+    Change one outside the optimizer on all of them, or call ``pipe.ties.sync()`` on every rank.
     """
 
     def __init__(
@@ -111,6 +117,7 @@ class DistributedPipe(nn.Module):
         free_others: bool = True,
         bucket_bytes: int = 25 << 20,
         _stage_modules: dict[int, nn.Sequential] | None = None,
+        _ties: Sequence[Sequence[str]] = (),
     ) -> None:
         super().__init__()
         if balance is None:
@@ -134,20 +141,16 @@ class DistributedPipe(nn.Module):
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         mine = [s for s in range(len(balance)) if s % size == rank]
+        built: RankStages
         if _stage_modules is None:
             assert module is not None
             module = check_module(module)
             balance = check_balance(balance, len(module))
             if deferred_batch_norm:
                 module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
-            parts = split(module, balance)
-            for s in mine:  # other ranks' layers may already be released to meta
-                check_materialised(parts[s])
-            if free_others:
-                for s, part in enumerate(parts):
-                    if s not in mine:
-                        part.to("meta")
-            _stage_modules = {s: parts[s] for s in mine}
+            built = split_module(module, balance, mine, self.device, free_others=free_others)
+        else:
+            built = declared_stages(_stage_modules, _ties, self.device)
         build_for(schedule, len(balance), size, chunks)  # fail early on a bad combination
         self.balance = balance
         self.chunks = chunks
@@ -157,12 +160,9 @@ class DistributedPipe(nn.Module):
         self.on_nan = on_nan
         self.group, self.dp_group = group, dp
         self.last_timeline: Timeline | None = None
-        stages: dict[int, Stage] = {}
-        for s in mine:
-            part = _stage_modules[s].to(self.device)
-            for name, layer in layers_of(part):
-                self.add_module(name, layer)
-            stages[s] = Stage(part, self.device, clone_input=first_layer_in_place(part))
+        for name, layer in built.layers:  # each tied tensor once: the Sequential's keys
+            self.add_module(name, layer)
+        stages = {s: Stage(p, self.device, clone_input=first_layer_in_place(p)) for s, p in built.stages.items()}
         self._stages = stages
         self._runtime = DistributedRuntime(
             stages, len(balance), group=group, dp_group=dp, timeout=timeout, bucket_bytes=bucket_bytes
@@ -174,13 +174,22 @@ class DistributedPipe(nn.Module):
             "checkpoint": checkpoint,
             "deferred_batch_norm": deferred_batch_norm,
             "on_nan": on_nan,
+            "ties": built.expected,
         }
-        check_same_settings(settings, self._runtime.control_group, "pipeline", timeout)
+        control = self._runtime.control_group
+        check_same_settings(settings, control, "pipeline", timeout)
         if dp is not None:
             check_same_settings(settings, dp, "data-parallel", timeout)
+        # Each rank checks the side inputs of a call against the whole model's, and learns its ties.
+        mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report()}
+        facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)
+        self._side_names = list(dict.fromkeys(n for f in facts for n in f["side"]))
+        self._ties = RankTies(built, [f["ties"] for f in facts], stages, self._runtime, bucket_bytes)
 
     @classmethod
-    def from_stage_builder(cls, builder: StageBuilder, balance: Sequence[int], **kwargs: Any) -> DistributedPipe:
+    def from_stage_builder(
+        cls, builder: StageBuilder, balance: Sequence[int], *, ties: Sequence[Sequence[str]] = (), **kwargs: Any
+    ) -> DistributedPipe:
         """Build only this rank's stages: ``builder(stage)`` returns that stage's layers.
 
         ``builder(s)`` returns an ``nn.Sequential`` of ``balance[s]`` layers. Layers named
@@ -188,29 +197,20 @@ class DistributedPipe(nn.Module):
         Sequential's); other names are kept. A stage built on the meta device
         (``with torch.device("meta"): ...``) is materialised with ``to_empty`` and every
         submodule's ``reset_parameters()``.
+
+        ``ties`` declares the tensors that layers on different stages share, which no rank
+        can see alone: ``ties=[("0.wte.weight", "9.weight")]`` (the Sequential's names; two
+        or more per tie, on any ranks, of one shape and dtype). Each tie then works as one
+        found in a whole model (see the class): the first stage's value is broadcast to the
+        other uses at construction, whatever the builder initialised them with. A tensor
+        shared between stages of one rank is found without a declaration. Pass the same
+        ``ties`` on every rank.
         """
         group, _ = pipeline_groups(kwargs.get("process_group"), kwargs.get("mesh"), kwargs.get("dp_group"))
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         device = torch.device(kwargs.get("device") or "cpu")
-        modules: dict[int, nn.Sequential] = {}
-        for s in range(rank, len(balance), size):
-            part = builder(s)
-            if not isinstance(part, nn.Sequential):
-                part = nn.Sequential(part)
-            if len(part) != balance[s]:
-                raise ValueError(f"fastpipe: builder({s}) made {len(part)} layers, balance says {balance[s]}")
-            offset = sum(balance[:s])
-            names = [n for n, _ in layers_of(part)]
-            if names == [str(i) for i in range(len(names))]:
-                part = nn.Sequential(OrderedDict((str(offset + i), m) for i, m in enumerate(part)))
-            if any(t.is_meta for t in _module_tensors(part)):
-                part = part.to_empty(device=device)
-                for sub in part.modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-            modules[s] = part
-        return cls(None, balance, _stage_modules=modules, **kwargs)
+        modules = build_stages(builder, balance, range(rank, len(balance), size), device)
+        return cls(None, balance, _stage_modules=modules, _ties=[tuple(t) for t in ties], **kwargs)
 
     @property
     def stages(self) -> dict[int, nn.Module]:
@@ -231,6 +231,18 @@ class DistributedPipe(nn.Module):
     def timeout(self) -> float:
         """The bound in seconds on every wait of this pipeline's ranks."""
         return self._runtime.timeout
+
+    @property
+    def ties(self) -> RankTies:
+        """The pipeline's tied tensors (every rank's), and this rank's part in keeping them equal."""
+        return self._ties
+
+    def train(self, mode: bool = True) -> DistributedPipe:
+        """As ``nn.Module.train``; the stages' clones of tied layers follow too."""
+        super().train(mode)
+        for stage in self._stages.values():
+            stage.module.train(mode)
+        return self
 
     @property
     def is_first(self) -> bool:
@@ -256,14 +268,16 @@ class DistributedPipe(nn.Module):
         *,
         scaler: torch.amp.GradScaler | None = None,
         trace: bool = False,
+        **side: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.
 
         ``input`` is read on stage 0's rank and ``target`` on the last stage's (both may be
         None elsewhere). Gradients accumulate into this rank's parameters' ``.grad``
-        (averaged over data-parallel replicas). Returns the mini-batch loss, the same on
-        every rank. With ``trace=True``, ``last_timeline`` holds this rank's actions of the
-        step (its worker row; gather the ranks' timelines to see the whole pipeline).
+        (averaged over data-parallel replicas; a tied tensor's summed over its uses on all
+        ranks). Returns the mini-batch loss, the same on every rank. With ``trace=True``,
+        ``last_timeline`` holds this rank's actions of the step (its worker row; gather the
+        ranks' timelines to see the whole pipeline).
 
         ``scaler``: mixed precision's loss scaling, passed on every rank. The backward runs
         on the scaled loss and the unscaled loss is returned; then ``scaler.step(opt);
@@ -271,35 +285,42 @@ class DistributedPipe(nn.Module):
         ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` whose group holds them
         all, so that an overflow on one rank skips the step on every rank (see
         :mod:`fastpipe.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
+
+        ``side``: side inputs (``attention_mask=mask``), as for :meth:`fastpipe.Pipe.train_step`.
+        Every rank passes the same ones: each splits its own copy with the micro-batch sizes of
+        stage 0's input (nothing is sent), and its stages' layers receive those they declare.
+        A name that no layer of any rank takes, or a shape that is neither the batch nor 1,
+        raises on the rank that sees it and a :class:`~fastpipe.PipelineError` on the others.
         """
         check_loss_fn(loss_fn)
         runtime = self._runtime
         self.last_timeline = runtime.start_timeline(trace)
         microbatches: list[Value] | None = None
         sizes: list[int] | None = None
+        side_mbs: list[dict[str, Any]] = []
+        here = f"stage {','.join(map(str, self._stages))}"
+        with runtime.reported(here):
+            check_side_inputs(self._side_names, side)
         if self.is_first:
-            try:
+            with runtime.reported("stage 0"):
                 if input is None:
                     raise ValueError("fastpipe: stage 0's rank needs the input")
                 check_value(input, "input")
                 microbatches = scatter(to_device(input, self.device), self.chunks)
                 sizes = [batch_size(x) for x in microbatches]
-            except BaseException as exc:
-                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage 0) raised {type(exc).__name__}: {exc}")
-                raise
+                side_mbs = split_side_inputs(side, sum(sizes), self.chunks, len(sizes)) if side else []
         sizes, step_seed = runtime.broadcast_sizes(sizes, self.chunks, draw_step_seed() if self.is_first else 0)
         count = len(sizes)
+        if side and not self.is_first:
+            with runtime.reported(here):
+                side_mbs = split_side_inputs(side, sum(sizes), self.chunks, count)
         targets: list[Any] = [None] * count
         if self.is_last:
-            try:
+            with runtime.reported(f"stage {len(self.balance) - 1}"):
                 split = split_targets(target, self.chunks, sizes)
                 # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
                 weights = microbatch_weights(loss_fn, split, sizes, "train_step")
                 targets = [to_device(t, self.device) for t in split]
-            except BaseException as exc:
-                stage = len(self.balance) - 1
-                runtime.watchdog.fail(f"rank {runtime.global_rank} (stage {stage}) raised {type(exc).__name__}: {exc}")
-                raise
         else:  # only the last rank runs the loss, so only its weights count
             weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
         sched = build_for(self.schedule, len(self.balance), runtime.size, count)
@@ -307,6 +328,7 @@ class DistributedPipe(nn.Module):
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
+        self._ties.refresh()
         outcome = runtime.train(
             sched,
             microbatches,
@@ -314,12 +336,16 @@ class DistributedPipe(nn.Module):
             checkpoint=checkpoint,
             caller=CallerState.capture(),
             step_seed=step_seed,
+            side=side_mbs,
         )
+        self._ties.check_constant()
         if scaling:
             outcome.loss = outcome.loss / scale
         if self.deferred_batch_norm and self.training:
             for st in self._stages.values():
                 commit_deferred_batch_norm(st.module)
+        # Every rank of the pipeline (and of its replicas) sees the same outcome here, so the
+        # tie groups either all reduce or all skip.
         if outcome.nonfinite is not None and not scaling:
             if self.on_nan == "raise":
                 raise PipelineError(
@@ -328,6 +354,7 @@ class DistributedPipe(nn.Module):
                     "steps)"
                 )
             return outcome.loss
+        self._ties.reduce(outcome.param_grads)
         for s, st in self._stages.items():
             accumulate_grads(st.params, outcome.param_grads[s])
         return outcome.loss
@@ -350,7 +377,8 @@ class DistributedPipe(nn.Module):
         Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
         reads the inputs, the last rank the targets) and its optimizer over its parameters;
         every rank yields the same losses. With data parallelism each stage's update averages
-        its gradient over the replicas first.
+        its gradient over the replicas first. It takes no side inputs, and refuses tied weights
+        across stages (each stage updates on its own, so the copies would drift).
         """
         return DistributedFitRun(
             self,
@@ -367,7 +395,3 @@ class DistributedPipe(nn.Module):
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""
         self._runtime.close()
-
-
-def _module_tensors(module: nn.Module) -> list[Tensor]:
-    return [*module.parameters(), *module.buffers()]

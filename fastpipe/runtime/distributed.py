@@ -12,10 +12,11 @@ plan of :mod:`fastpipe.schedule.ordered`). Every rank raises
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,6 +203,15 @@ class DistributedRuntime:
         """The global rank of the pipeline group's rank ``group_rank``."""
         return dist.get_global_rank(self.group, group_rank)
 
+    @contextlib.contextmanager
+    def reported(self, where: str) -> Iterator[None]:
+        """An error raised in the block fails the step on every rank: the others raise PipelineError naming it."""
+        try:
+            yield
+        except BaseException as exc:
+            self.watchdog.fail(f"rank {self.global_rank} ({where}) raised {type(exc).__name__}: {exc}")
+            raise
+
     def wait_collective(self, work: Any, what: str) -> None:
         """Wait for an async collective within ``timeout``; a failed peer raises PipelineError."""
         self.watchdog.wait_collective(work, what)
@@ -261,6 +271,7 @@ class DistributedRuntime:
         caller: CallerState | None = None,
         step_seed: int = 0,
         runner_factory: RunnerFactory | None = None,
+        side: Sequence[Mapping[str, Any]] = (),
     ) -> StepOutcome:
         """Run this rank's actions of one step; the loss comes back on every rank.
 
@@ -269,6 +280,8 @@ class DistributedRuntime:
             loss: the loss; its targets matter on the last stage's rank only.
             runner_factory: makes the action handlers from (stages, num_stages, transport, state);
                 default a :class:`StepRunner` (``fastpipe.asynchronous`` adds updates).
+            side: each micro-batch's side inputs (every rank splits its own, see
+                :mod:`fastpipe.side_inputs`), or empty.
         """
         if self.watchdog.failure is not None:
             raise self.watchdog.failure
@@ -278,7 +291,7 @@ class DistributedRuntime:
                 f"on a group of {self.size} ranks holding {self.num_stages} stages"
             )
         self.steps += 1
-        state = StepState(schedule, caller or CallerState.capture(), step_seed)
+        state = StepState(schedule, caller or CallerState.capture(), step_seed, side)
         runner = (
             StepRunner(self.stages, self.num_stages, self.transport, state, grad=True, checkpoint=checkpoint, loss=loss)
             if runner_factory is None

@@ -4,7 +4,8 @@ Each stage's reduction starts as soon as its last backward of the step has run, 
 overlaps the backward of the stages still running on this rank; the step waits for them
 all at its end. Gradients are flattened into buckets of at most ``bucket_bytes`` of one
 dtype, which keeps the number of collectives small without holding a copy of every
-gradient at once.
+gradient at once. The gradients of weights tied across ranks are summed the same way
+(:mod:`fastpipe.runtime.tie_group`).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def _launch(stage: int, grads: list[Tensor | None], index: list[int], group: Any
     return Bucket(stage, dist.all_reduce(flat, group=group, async_op=True), flat, index)
 
 
-def finish_reduce(grads: list[Tensor | None], bucket: Bucket, group: Any) -> None:
-    """After ``bucket``'s all-reduce completed: its mean, viewed back into ``grads``."""
-    bucket.flat.div_(dist.get_world_size(group))
+def finish_reduce(grads: list[Tensor | None], bucket: Bucket, group: Any, *, average: bool = True) -> None:
+    """After ``bucket``'s all-reduce completed: its mean (or, with ``average=False``, its sum), viewed back
+    into ``grads``."""
+    if average:
+        bucket.flat.div_(dist.get_world_size(group))
     offset = 0
     for i in bucket.index:
         g = grads[i]

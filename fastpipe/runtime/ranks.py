@@ -14,15 +14,21 @@ import torch.distributed as dist
 
 from fastpipe.runtime.watchdog import bounded_barrier
 
-__all__ = ["check_nccl_device", "check_same_settings", "order_matched", "pipeline_groups"]
+__all__ = ["check_nccl_device", "check_same_settings", "gather_objects", "order_matched", "pipeline_groups"]
+
+
+def gather_objects(value: Any, group: Any, what: str, timeout: float) -> list[Any]:
+    """Every rank's ``value``, in ``group``'s order; a rank missing for ``timeout`` s raises PipelineError."""
+    bounded_barrier(group, timeout, what)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 def check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout: float) -> None:
     """Every rank of ``group`` must build the same pipeline: a rank with other settings would
     expect other messages and fail only at the deadline, far from the cause."""
-    bounded_barrier(group, timeout, f"checking the {what} ranks' settings")
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, settings, group=group)
+    everyone = gather_objects(settings, group, f"checking the {what} ranks' settings", timeout)
     for key in settings:
         values = [s[key] for s in everyone]
         if any(v != values[0] for v in values):
