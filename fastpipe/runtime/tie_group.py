@@ -59,6 +59,7 @@ class TieInfo:
         owner_stage: the first stage that uses it.
         reader_stage: the later stage.
         ranks: the global ranks that hold a use of it (a single rank for a tie within one).
+        is_parameter: a parameter (its gradient is summed over the uses); else a constant buffer.
     """
 
     name: str
@@ -66,6 +67,7 @@ class TieInfo:
     owner_stage: int
     reader_stage: int
     ranks: tuple[int, ...]
+    is_parameter: bool = True
 
 
 @dataclass
@@ -127,7 +129,7 @@ class RankTies:
             for row in rows[1:]:
                 if row[1] not in seen_stages:
                     seen_stages.add(row[1])
-                    self.ties.append(TieInfo(owner[2], row[2], owner[1], row[1], ranks))
+                    self.ties.append(TieInfo(owner[2], row[2], owner[1], row[1], ranks, bool(owner[5])))
             if len(ranks) > 1:
                 tied.append((ranks, runtime.global_rank_of(owner[0]), built.uses[k]))
         made = _groups(sorted({ranks for ranks, _, _ in tied}), runtime, backend)
