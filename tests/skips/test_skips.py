@@ -265,3 +265,22 @@ def test_a_name_both_popped_and_taken_as_a_side_input_is_refused():
     model = seq(fastpipe.stash("a"), layer)
     with pytest.raises(TypeError, match=r"takes \['a'\] both as a side input and as a skip"):
         model(torch.randn(2, 3), a=torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_fit_with_skips_trains_like_the_plain_model(checkpoint):
+    ref = unet(2)
+    pipe = Pipe(copy.deepcopy(ref), balance=[3, 5, 3], chunks=4, checkpoint=checkpoint)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
+    losses = list(pipe.fit(batches, nn.MSELoss(), opt, consistency="sync", window=2))
+    for (x, y), loss in zip(batches, losses, strict=True):
+        ref_opt.zero_grad()
+        loss_ref = nn.MSELoss()(ref(x), y)
+        loss_ref.backward()
+        ref_opt.step()
+        assert_close_reordered(torch.as_tensor(loss), loss_ref.detach(), k=4 * K)
+    for (name, p), (_, q) in zip(pipe.named_parameters(), ref.named_parameters(), strict=True):
+        assert_close_reordered(p.detach(), q.detach(), k=4 * K, msg=name)
