@@ -35,6 +35,15 @@ def check_grads(pipe: nn.Module, ref: nn.Module) -> None:
         assert_close_reordered(p.grad, q.grad, k=K, msg=name)
 
 
+def check_train_step(pipe: Pipe, ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``pipe.train_step`` gives the plain model's loss and gradients."""
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    loss_ref = nn.MSELoss()(ref(x), y)
+    loss_ref.backward()
+    assert_close_reordered(loss, loss_ref.detach(), k=K)
+    check_grads(pipe, ref)
+
+
 def test_the_plain_sequential_passes_each_stash_to_its_pop():
     model = unet()
     x = torch.randn(5, 6)
@@ -66,12 +75,7 @@ def test_train_step_equals_the_plain_model(schedule, virtual, balance, checkpoin
     pipe = Pipe(
         copy.deepcopy(ref), balance=balance, chunks=4, schedule=schedule, virtual_stages=virtual, checkpoint=checkpoint
     )
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    loss = pipe.train_step(x, y, nn.MSELoss())
-    loss_ref = nn.MSELoss()(ref(x), y)
-    loss_ref.backward()
-    assert_close_reordered(loss, loss_ref.detach(), k=K)
-    check_grads(pipe, ref)
+    check_train_step(pipe, ref, torch.randn(8, 6), torch.randn(8, 3))
 
 
 class SpyTransport(LocalTransport):
@@ -129,12 +133,7 @@ def test_the_skips_cross_devices_through_the_copy_path():
     ref = unet()
     pipe = Pipe(copy.deepcopy(ref), balance=[3, 5, 3], chunks=4)
     pipe.runtime.copy_same_device = True
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    loss = pipe.train_step(x, y, nn.MSELoss())
-    loss_ref = nn.MSELoss()(ref(x), y)
-    loss_ref.backward()
-    assert_close_reordered(loss, loss_ref.detach(), k=K)
-    check_grads(pipe, ref)
+    check_train_step(pipe, ref, torch.randn(8, 6), torch.randn(8, 3))
 
 
 def test_the_backward_on_a_device_thread_runs_the_skips_inline():
@@ -167,12 +166,7 @@ def test_a_stashed_input_that_needs_no_gradient_gets_none():
     )
     ref = copy.deepcopy(model)
     pipe = Pipe(model, balance=[2, 3], chunks=2)
-    x, y = torch.randn(4, 6), torch.randn(4, 3)
-    loss = pipe.train_step(x, y, nn.MSELoss())
-    loss_ref = nn.MSELoss()(ref(x), y)
-    loss_ref.backward()
-    assert_close_reordered(loss, loss_ref.detach(), k=K)
-    check_grads(pipe, ref)
+    check_train_step(pipe, ref, torch.randn(4, 6), torch.randn(4, 3))
 
 
 def test_a_skip_in_a_nested_sequential_and_a_class_declaration():
@@ -188,12 +182,7 @@ def test_a_skip_in_a_nested_sequential_and_a_class_declaration():
     )
     ref = copy.deepcopy(model)
     pipe = Pipe(model, balance=[1, 2, 2], chunks=2)
-    x, y = torch.randn(4, 4), torch.randn(4, 2)
-    loss = pipe.train_step(x, y, nn.MSELoss())
-    loss_ref = nn.MSELoss()(ref(x), y)
-    loss_ref.backward()
-    assert_close_reordered(loss, loss_ref.detach(), k=K)
-    check_grads(pipe, ref)
+    check_train_step(pipe, ref, torch.randn(4, 4), torch.randn(4, 2))
 
 
 # -- declarations that cannot work ----------------------------------------------------
