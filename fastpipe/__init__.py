@@ -22,6 +22,7 @@ from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.serialization import load, save
 from fastpipe.side_inputs import Sequential, broadcast, takes
+from fastpipe.skips import pops, stash
 from fastpipe.step_rules import TokenLoss, token_loss
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "Sequential",
     "takes",
     "broadcast",
+    "stash",
+    "pops",
     "token_loss",
     "TokenLoss",
     "__version__",

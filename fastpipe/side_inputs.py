@@ -46,6 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fastpipe.skips import SkipStore, Stash, has_skips, open_skips, popped
+
 __all__ = [
     "SIDE_INPUTS_ATTRIBUTE",
     "Broadcast",
@@ -110,37 +112,52 @@ def declared(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def call_layer(layer: nn.Module, value: Any, side: SideInputs) -> Any:
-    """``layer(value)``, with the side inputs it declares as keywords.
+def call_layer(layer: nn.Module, value: Any, side: SideInputs, skips: SkipStore | None = None) -> Any:
+    """``layer(value)``, with the side inputs it declares (and the skips it pops) as keywords.
 
     A nested ``nn.Sequential`` without a declaration of its own hands them on to its layers.
+    ``skips`` holds the run's stashed tensors (:mod:`fastpipe.skips`); None when it has none.
     """
     names = declared(layer) if side else ()
-    if not names:
+    taken = popped(layer) if skips is not None else ()
+    if skips is not None and isinstance(layer, Stash):
+        skips.put(layer.name, value)
+        return value
+    if not names and not taken and not (skips is not None and isinstance(layer, nn.Sequential) and has_skips(layer)):
         return layer(value)
-    if getattr(layer, SIDE_INPUTS_ATTRIBUTE, None) is None and isinstance(layer, nn.Sequential):
-        return run_layers(layer, value, side)
-    return layer(value, **{n: side[n] for n in names if n in side})
+    if getattr(layer, SIDE_INPUTS_ATTRIBUTE, None) is None and not taken and isinstance(layer, nn.Sequential):
+        return run_layers(layer, value, side, skips)
+    kwargs = {n: side[n] for n in names if n in side}
+    if taken:
+        assert skips is not None
+        if set(kwargs) & set(taken):
+            raise TypeError(
+                f"fastpipe: {type(layer).__name__} takes {sorted(set(kwargs) & set(taken))} both as a "
+                "side input and as a skip it pops; rename one"
+            )
+        kwargs.update((n, skips.take(n, layer)) for n in taken)
+    return layer(value, **kwargs)
 
 
-def run_layers(module: nn.Module, value: Any, side: SideInputs) -> Any:
-    """Run ``module``'s layers in order on ``value``, handing each the side inputs it declares."""
+def run_layers(module: nn.Module, value: Any, side: SideInputs, skips: SkipStore | None = None) -> Any:
+    """Run ``module``'s layers in order on ``value``, handing each the side inputs it declares (and its skips)."""
     for layer in module._modules.values():
         if layer is not None:
-            value = call_layer(layer, value, side)
+            value = call_layer(layer, value, side, skips)
     return value
 
 
 class Sequential(nn.Sequential):
     """An ``nn.Sequential`` whose forward takes side inputs by keyword: ``model(x, attention_mask=mask)``.
 
-    Each layer receives the side inputs it declares (see :func:`takes`), so this runs the
-    same model a :class:`fastpipe.Pipe` pipelines, in one piece.
+    Each layer receives the side inputs it declares (see :func:`takes`) and the skips it pops
+    (see :mod:`fastpipe.skips`), so this runs the same model a :class:`fastpipe.Pipe`
+    pipelines, in one piece.
     """
 
     def forward(self, input: Any, **side: Any) -> Any:  # noqa: D102 - the class says it
         check_side_inputs(self, side)
-        return run_layers(self, input, {k: _unwrap(v) for k, v in side.items()})
+        return run_layers(self, input, {k: _unwrap(v) for k, v in side.items()}, open_skips(self))
 
 
 def _unwrap(value: Any) -> Any:

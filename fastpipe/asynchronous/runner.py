@@ -122,10 +122,11 @@ class MultistepRunner(StepRunner):
         module = self._modules[s]
         module.tensors = self.weights[s].tensors(m)
         try:
-            if s != self.last or self.loss is None:
+            if (s != self.last or self.loss is None) and (s, m) not in self.skip_flow.stores:
                 return super()._run_module(s, m, inputs)
             # The loss may read the last stage's parameters too (an LM head's projection in
-            # kernels.linear_cross_entropy): bind them to the version as well, or the loss
+            # kernels.linear_cross_entropy), and a stage with skips runs its layers one by one
+            # (fastpipe.skips), past _OnVersion: bind them to the version as well, or the loss
             # would see the live weights and their gradient would never reach the update.
             bound = {f"inner.{n}": t for n, t in zip(module.names, module.tensors)}
             run = functools.partial(StepRunner._run_module, self, s, m, inputs)

@@ -32,6 +32,7 @@ from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
 from fastpipe.runtime.ranks import check_nccl_device, order_matched
+from fastpipe.runtime.skip_flow import share_skip_routes
 from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
 from fastpipe.runtime.worker import CallerState
@@ -132,6 +133,7 @@ class DistributedRuntime:
             self.transport.connect()
         else:
             self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
+        self.transport.use_skips(share_skip_routes(self.stages, num_stages, self.control_group))  # fastpipe.skips
         self._plans: dict[Schedule, list[Step]] = {}
         self.bucket_bytes = bucket_bytes
         self.recorder = recorder

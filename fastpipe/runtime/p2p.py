@@ -35,12 +35,26 @@ from fastpipe.errors import PipelineError
 from fastpipe.microbatch import Value, tensors_of
 from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
-from fastpipe.runtime.wire import ACT, GRAD, HEADER, describe, pack, payload_sizes, tensors_from, unpack
+from fastpipe.runtime.wire import (
+    ACT,
+    GRAD,
+    HEADER,
+    describe,
+    kinds,
+    pack,
+    payload_sizes,
+    skip_grad_kind,
+    skip_kind,
+    tensors_from,
+    unpack,
+)
 from fastpipe.schedule import Action
+from fastpipe.skips import StageSkips
 
 __all__ = ["P2PTransport"]
 
 _PARTS = 64  # tag slots per (kind, stage, micro-batch): header, then two sets of 31 tensor items
+Key = tuple[int, int, int]  # (kind, stage, micro-batch): see fastpipe.runtime.wire
 _SPECULATIVE, _FRESH = 2, 33  # tag offsets of payloads into pre-posted / header-sized receives
 
 
@@ -86,6 +100,8 @@ class P2PTransport(Transport):
         self._owed: set[tuple[int, int, int]] = set()  # values this rank still sends this step
         watchdog.on_fail = self.poison
         self._sent_layout: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self._kinds = kinds(num_stages)
+        self.skips: dict[int, StageSkips] = {}  # this rank's stages' skips (see use_skips)
 
     # -- placement ------------------------------------------------------------------
 
@@ -100,7 +116,26 @@ class P2PTransport(Transport):
         return f"rank {self._global(self.owner(stage))} (stage {stage})"
 
     def _tag(self, kind: int, stage: int, microbatch: int, part: int) -> int:
-        return ((microbatch * self.num_stages + stage) * 2 + kind) * _PARTS + part
+        return ((microbatch * self.num_stages + stage) * self._kinds + kind) * _PARTS + part
+
+    def use_skips(self, skips: Sequence[StageSkips]) -> None:
+        """Carry the skips of ``skips`` (every stage's, in order) straight between their ranks."""
+        self.skips = {s: sk for s, sk in enumerate(skips) if self.owner(s) == self.rank}
+
+    def _skip_messages(self, a: Action) -> tuple[list[tuple[Key, int]], list[Key]]:
+        """The skip values that ``a`` receives from other ranks (with their source stage), and those it owes them.
+
+        A consumer's F receives its skips and its B sends their gradients back; a producer's
+        F sends its skips and its B receives their gradients.
+        """
+        skips, s, m = self.skips.get(a.stage), a.stage, a.microbatch
+        if skips is None or a.kind not in ("F", "BW", "B"):
+            return [], []
+        producers = [p for p, _ in skips.receives if self.owner(p) != self.rank]
+        consumers = [c for c, _ in skips.sends if self.owner(c) != self.rank]
+        if a.kind == "F":
+            return [((skip_kind(p), s, m), p) for p in producers], [(skip_kind(s), c, m) for c in consumers]
+        return [((skip_grad_kind(c), s, m), c) for c in consumers], [(skip_grad_kind(s), p, m) for p in producers]
 
     # -- step boundaries ------------------------------------------------------------
 
@@ -116,6 +151,10 @@ class P2PTransport(Transport):
                 self._owed.add((ACT, a.stage + 1, a.microbatch))
             elif a.kind in ("BW", "B") and a.stage > 0 and self.owner(a.stage - 1) != self.rank:
                 self._owed.add((GRAD, a.stage - 1, a.microbatch))
+            expect, owed = self._skip_messages(a)
+            for key, src in expect:
+                self._expect(*key, src)
+            self._owed.update(owed)
 
     def poison(self, message: str) -> None:
         """Send an abort header in place of every value still owed to a peer this step."""
@@ -221,26 +260,38 @@ class P2PTransport(Transport):
         self._sent_layout[key] = layout
 
     def send_activation(self, stage: int, microbatch: int, value: Value, requires_grad: Sequence[bool]) -> None:
+        self._send_value((ACT, stage, microbatch), value, requires_grad)
+
+    def send_skip(
+        self, producer: int, consumer: int, microbatch: int, value: tuple, requires_grad: Sequence[bool]
+    ) -> None:
+        self._send_value((skip_kind(producer), consumer, microbatch), value, requires_grad)
+
+    def _send_value(self, key: Key, value: Value, requires_grad: Sequence[bool]) -> None:
         flags = iter(requires_grad)
-        if self.owner(stage) == self.rank:
-            self._local[(ACT, stage, microbatch)] = _map_tensors(
-                value, lambda t: t.detach().requires_grad_(next(flags))
-            )
+        if self.owner(key[1]) == self.rank:
+            self._local[key] = _map_tensors(value, lambda t: t.detach().requires_grad_(next(flags)))
             return
         items = [value] if isinstance(value, Tensor) else list(value)
         meta: list[Any] = [isinstance(value, Tensor), False]
         for v in items:
             meta.append(("t", tuple(v.shape), str(v.dtype), bool(next(flags))) if isinstance(v, Tensor) else ("v", v))
-        self._send(ACT, stage, microbatch, meta, tensors_of(value))
+        self._send(*key, meta, tensors_of(value))
 
     def send_grad(self, stage: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
-        if self.owner(stage) == self.rank:
-            self._local[(GRAD, stage, microbatch)] = [None if g is None else g.detach() for g in grads]
+        self._send_grads((GRAD, stage, microbatch), grads)
+
+    def send_skip_grad(self, producer: int, consumer: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
+        self._send_grads((skip_grad_kind(consumer), producer, microbatch), grads)
+
+    def _send_grads(self, key: Key, grads: Sequence[Tensor | None]) -> None:
+        if self.owner(key[1]) == self.rank:
+            self._local[key] = [None if g is None else g.detach() for g in grads]
             return
         meta: list[Any] = [False, False] + [
             ("n",) if g is None else ("t", tuple(g.shape), str(g.dtype), False) for g in grads
         ]
-        self._send(GRAD, stage, microbatch, meta, [g for g in grads if g is not None])
+        self._send(*key, meta, [g for g in grads if g is not None])
 
     # -- receiving ------------------------------------------------------------------
 
@@ -272,18 +323,32 @@ class P2PTransport(Transport):
         return meta, tensors_from(meta, buffers, self.device)
 
     def recv_activation(self, stage: int, microbatch: int) -> Value:
-        local: Any = self._local.pop((ACT, stage, microbatch), None)
+        return self._recv_value((ACT, stage, microbatch))
+
+    def recv_skip(self, producer: int, consumer: int, microbatch: int) -> tuple:
+        value = self._recv_value((skip_kind(producer), consumer, microbatch))
+        assert isinstance(value, tuple)
+        return value
+
+    def _recv_value(self, key: Key) -> Value:
+        local: Any = self._local.pop(key, None)
         if local is not None:
             return local
-        meta, tensors = self._receive(ACT, stage, microbatch)
+        meta, tensors = self._receive(*key)
         items = [tensors[i].requires_grad_(item[3]) if item[0] == "t" else item[1] for i, item in enumerate(meta[2:])]
         return items[0] if meta[0] else tuple(items)
 
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:
-        local: Any = self._local.pop((GRAD, stage, microbatch), None)
+        return self._recv_grads((GRAD, stage, microbatch))
+
+    def recv_skip_grad(self, producer: int, consumer: int, microbatch: int) -> list[Tensor | None]:
+        return self._recv_grads((skip_grad_kind(consumer), producer, microbatch))
+
+    def _recv_grads(self, key: Key) -> list[Tensor | None]:
+        local: Any = self._local.pop(key, None)
         if local is not None:
             return local
-        meta, tensors = self._receive(GRAD, stage, microbatch)
+        meta, tensors = self._receive(*key)
         return [tensors[i] if item[0] == "t" else None for i, item in enumerate(meta[2:])]
 
     def abort(self, exc: BaseException) -> None:

@@ -34,6 +34,7 @@ from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
 from fastpipe.runtime.wire import ACT, GRAD, describe, pack, payload_sizes, tensors_from
 from fastpipe.schedule.ordered import Op
+from fastpipe.skips import StageSkips
 
 __all__ = ["OrderedTransport"]
 
@@ -101,6 +102,18 @@ class OrderedTransport(P2PTransport):
                 self.watchdog.poll(work, "the connection handshake", "a neighbour rank")
             else:
                 self.watchdog.wait(work, "the connection handshake", "a neighbour rank")
+
+    def use_skips(self, skips: Sequence[StageSkips]) -> None:
+        """Refuse skips between ranks: the round plan (:mod:`fastpipe.schedule.ordered`) has no messages for them."""
+        crossing = [(p, c) for p, sk in enumerate(skips) for c, _ in sk.sends if self.owner(p) != self.owner(c)]
+        if crossing:
+            p, c = crossing[0]
+            raise ValueError(
+                f"fastpipe: a skip goes from stage {p} to stage {c} on another rank, and the order-matched "
+                "transport (NCCL, or FASTPIPE_P2P=ordered) does not carry skips between ranks; use the "
+                "tag-matched transport (gloo), or a balance that keeps each stash on its pop's rank"
+            )
+        super().use_skips(skips)
 
     # -- sending: the header now, the payload with the next batch -------------------------
 

@@ -40,12 +40,14 @@ from fastpipe.rng import TaskRNG, may_draw, task_seed
 from fastpipe.rng_state import install as install_task_rng_state
 from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
+from fastpipe.runtime.skip_flow import SkipFlow
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
 from fastpipe.side_inputs import declared, run_layers, side_inputs_on
+from fastpipe.skips import StageSkips, has_skips
 
 __all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "Recorder"]
 
@@ -70,10 +72,12 @@ class Stage:
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
+    skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.side_names = declared(self.module)
+        self.skips = StageSkips(layers=has_skips(self.module))
         self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
 
 
@@ -86,6 +90,8 @@ class _Task:
     rng: Callable[[], Any]  # enters the task's RNG (the same streams again for a recompute)
     snapshot: Snapshot | None = None  # of a checkpointed forward, for its recompute
     weight_work: WeightWork | None = None  # set by B, consumed by W
+    skips_in: dict[str, Tensor] = field(default_factory=dict)  # skip leaves received from other stages
+    skips_out: list[Tensor] | None = None  # stashed tensors sent to other stages, graph-attached
 
 
 @dataclass
@@ -116,12 +122,6 @@ class StepState:
     consumed: bool = False
     side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
     draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
-
-    def side_for(self, stage: Stage, m: int) -> Mapping[str, Any]:
-        """Micro-batch ``m``'s side inputs that ``stage`` takes, on its device."""
-        if not self.side or not stage.side_names:
-            return {}
-        return side_inputs_on(self.side[m], stage.side_names, stage.device, self.side_copies)
 
 
 class StepRunner:
@@ -155,6 +155,7 @@ class StepRunner:
         self.results: dict[int, Value] = {}
         self.input_grads: dict[int, list[Tensor | None]] = {}
         self.param_grads: dict[int, list[Tensor | None]] = {s: [None] * len(st.params) for s, st in stages.items()}
+        self.skip_flow = SkipFlow({s: st.skips for s, st in stages.items()}, transport)
 
     def handlers(self) -> dict[str, Callable[[Action], float]]:
         return {"F": self.forward, "BW": self.backward, "B": self.backward_input, "W": self.backward_weight}
@@ -188,9 +189,11 @@ class StepRunner:
         fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
         try:
             value = _fresh(inputs) if stage.clone_input else inputs
-            side = self.state.side_for(stage, m)
+            got = self.state.side
+            side = side_inputs_on(got[m], stage.side_names, stage.device, self.state.side_copies) if got else {}
+            skips = self.skip_flow.stores.get((s, m))
             with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
-                out = run_layers(stage.module, value, side) if side else stage.module(value)
+                out = run_layers(stage.module, value, side, skips) if side or skips is not None else stage.module(value)
         except RuntimeError as exc:
             if "leaf Variable that requires grad is being used in an in-place" not in str(exc):
                 raise
@@ -230,18 +233,20 @@ class StepRunner:
 
     def forward(self, action: Action) -> float:
         s, m = action.stage, action.microbatch
-        inputs = self.transport.recv_activation(s, m)
+        inputs, skips_in = self.transport.recv_activation(s, m), self.skip_flow.receive(s, m)
         started = time.perf_counter()
         rng = self._task_rng(s, m)
         keep_graph = self.grad and not self.checkpoint(m)
         replayed = self.grad and not keep_graph  # recomputed in the backward
         snapshot = Snapshot(self.stages[s].module, inputs) if replayed else None
         with self.state.caller.enter(grad_enabled=keep_graph), rng():
-            out = self._run_module(s, m, inputs)
+            out, skips_out = self.skip_flow.run(s, m, skips_in, lambda: self._run_module(s, m, inputs))
         if snapshot is not None:
             snapshot.seal(s, m)
         if self.grad:
-            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, rng, snapshot)
+            kept = skips_out if keep_graph else None
+            self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, rng, snapshot, None, skips_in, kept)
+        self.skip_flow.send(s, m, skips_out, self.grad, keep_graph)  # before the activation (see skip_flow)
         if s == self.last:
             self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
         else:
@@ -270,6 +275,7 @@ class StepRunner:
             grads: list[Tensor | None] = [None]  # filled below, once the loss exists
         else:
             grads = self.transport.recv_grad(s, m)
+        skip_grads = self.skip_flow.receive_grads(s, m)
         started = time.perf_counter()
         if task.outputs is None:  # checkpointed: replay the forward with the same RNG
             task.outputs = self._replay(s, m, task)
@@ -278,7 +284,8 @@ class StepRunner:
             assert isinstance(loss, Tensor)
             grads = [torch.full_like(loss, self.loss.weights[m])]
         pairs = [(o, g) for o, g in zip(tensors_of(task.outputs), grads) if g is not None and o.requires_grad]
-        leaves = [t for t in tensors_of(task.inputs) if t.requires_grad]
+        pairs += self.skip_flow.pairs(task.skips_out, skip_grads)
+        leaves = [t for t in [*tensors_of(task.inputs), *task.skips_in.values()] if t.requires_grad]
         return task, pairs, leaves, started
 
     def _replay(self, s: int, m: int, task: _Task) -> Value:
@@ -286,11 +293,13 @@ class StepRunner:
         and no side effect applied twice (see fastpipe.runtime.replay)."""
         assert task.snapshot is not None
         with task.snapshot.replaying(s, m), recomputing(), self.state.caller.enter(grad_enabled=True), task.rng():
-            return self._run_module(s, m, task.inputs)
+            out, task.skips_out = self.skip_flow.run(s, m, task.skips_in, lambda: self._run_module(s, m, task.inputs))
+        return out
 
-    def _send_input_grads(self, s: int, m: int, inputs: Value, leaf_grads: Sequence[Tensor | None]) -> None:
+    def _send_input_grads(self, s: int, m: int, task: _Task, leaf_grads: Sequence[Tensor | None]) -> None:
         it = iter(leaf_grads)
-        dx = [next(it) if t.requires_grad else None for t in tensors_of(inputs)]
+        dx = [next(it) if t.requires_grad else None for t in tensors_of(task.inputs)]
+        self.skip_flow.send_grads(s, m, task.skips_in, it)  # before the input gradient
         if s == 0:
             self.input_grads[m] = dx
         else:
@@ -334,7 +343,7 @@ class StepRunner:
                     p.grad = g
             leaf_grads = [t.grad for t in leaves]
         del self.state.tasks[(s, m)], pairs
-        self._send_input_grads(s, m, task.inputs, leaf_grads)
+        self._send_input_grads(s, m, task, leaf_grads)
         return started
 
     def backward_input(self, action: Action) -> float:
@@ -345,8 +354,8 @@ class StepRunner:
             leaf_grads, task.weight_work = backward_inputs(
                 [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
             )
-        task.outputs = None
-        self._send_input_grads(s, m, task.inputs, leaf_grads)
+        task.outputs = task.skips_out = None
+        self._send_input_grads(s, m, task, leaf_grads)
         return started
 
     def backward_weight(self, action: Action) -> float:
@@ -364,9 +373,8 @@ install_task_rng_state()
 
 
 def _streams(task: _Task) -> Any:
-    """The task's streams, current but not routing, around its backward: a
-    torch.utils.checkpoint recompute in there restores and draws from them (see
-    fastpipe.rng_state), while the backward's own ops pay no interception."""
+    """The task's streams, current but not routing, around its backward: a torch.utils.checkpoint
+    recompute there draws from them (fastpipe.rng_state); the backward's own ops pay nothing."""
     rng = task.rng()
     return rng.streams_only() if isinstance(rng, TaskRNG) else contextlib.nullcontext()
 

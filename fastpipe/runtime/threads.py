@@ -27,6 +27,7 @@ from fastpipe.microbatch import Value
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
 from fastpipe.runtime.mailbox import Aborted
+from fastpipe.runtime.skip_flow import route_skips
 from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.transport import LocalTransport
 from fastpipe.runtime.worker import CallerState, WorkerPool
@@ -60,6 +61,7 @@ class LocalRuntime:
         simulated_device_stages: Iterable[int] = (),
     ) -> None:
         self.stages = list(stages)
+        route_skips(self.stages)  # refuses bad declarations here, when the pipe is built
         self.recorder = recorder
         self.copy_same_device = copy_same_device
         simulated = frozenset(simulated_device_stages)

@@ -1,8 +1,10 @@
 """How the values between stages travel: the one thing local and distributed runs differ in.
 
 A :class:`Transport` moves a stage's output activations to the next stage and the
-gradients of a stage's input back to the previous one, keyed by (stage, micro-batch).
-The step logic (:mod:`fastpipe.runtime.step`) only calls these four methods, so a
+gradients of a stage's input back to the previous one, keyed by (stage, micro-batch), and
+a skip's tensors (:mod:`fastpipe.skips`) straight from the stage that stashes them to the
+stage that pops them and their gradients straight back, keyed by (producer, consumer,
+micro-batch). The step logic (:mod:`fastpipe.runtime.step`) only calls these methods, so a
 transport over threads (:class:`LocalTransport`) and one over processes can share it.
 """
 
@@ -41,6 +43,24 @@ class Transport(abc.ABC):
         """The gradients of ``stage``'s output tensors (blocking until they arrived)."""
 
     @abc.abstractmethod
+    def send_skip(
+        self, producer: int, consumer: int, microbatch: int, value: tuple, requires_grad: Sequence[bool]
+    ) -> None:
+        """Deliver the tensors ``producer`` stashed for ``consumer`` (:mod:`fastpipe.skips`), straight to it."""
+
+    @abc.abstractmethod
+    def recv_skip(self, producer: int, consumer: int, microbatch: int) -> tuple:
+        """The tensors ``producer`` stashed for ``consumer``, as detached leaves (blocking)."""
+
+    @abc.abstractmethod
+    def send_skip_grad(self, producer: int, consumer: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
+        """Deliver the gradients of those tensors, from ``consumer`` straight back to ``producer``."""
+
+    @abc.abstractmethod
+    def recv_skip_grad(self, producer: int, consumer: int, microbatch: int) -> list[Tensor | None]:
+        """The gradients of the tensors ``producer`` stashed for ``consumer`` (blocking)."""
+
+    @abc.abstractmethod
     def abort(self, exc: BaseException) -> None:
         """Wake every waiter with an error: the step failed elsewhere."""
 
@@ -73,6 +93,23 @@ class LocalTransport(Transport):
 
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:
         return receive(self.mailbox.take(self.slot("grad", stage, microbatch)))
+
+    def send_skip(
+        self, producer: int, consumer: int, microbatch: int, value: tuple, requires_grad: Sequence[bool]
+    ) -> None:
+        sent = [_send(t, f, self.devices[consumer], self.force_copy) for t, f in zip(value, requires_grad)]
+        self.mailbox.put(("skip", producer, consumer, microbatch), tuple(sent))
+
+    def recv_skip(self, producer: int, consumer: int, microbatch: int) -> tuple:
+        return receive(self.mailbox.take(("skip", producer, consumer, microbatch)))
+
+    def send_skip_grad(self, producer: int, consumer: int, microbatch: int, grads: Sequence[Tensor | None]) -> None:
+        device = self.devices[producer]
+        sent = [None if g is None else _send(g, False, device, self.force_copy) for g in grads]
+        self.mailbox.put(("skip_grad", producer, consumer, microbatch), sent)
+
+    def recv_skip_grad(self, producer: int, consumer: int, microbatch: int) -> list[Tensor | None]:
+        return receive(self.mailbox.take(("skip_grad", producer, consumer, microbatch)))
 
     @staticmethod
     def slot(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:

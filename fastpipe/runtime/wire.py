@@ -4,7 +4,9 @@ The header (pickled, :data:`HEADER` bytes) says what the value is: a lone tensor
 tuple, then per item its shape, dtype and ``requires_grad`` flag, or a non-tensor item
 itself. The tensor items travel as flat byte buffers of the sizes :func:`payload_sizes`
 gives and come back as views of those buffers (:func:`tensors_from`). Keys name values:
-``(ACT | GRAD, stage, micro-batch)``.
+``(kind, stage, micro-batch)``: ``ACT`` or ``GRAD`` into ``stage``, or a skip's tensors
+(:mod:`fastpipe.skips`) into ``stage`` from their producer (:func:`skip_kind`) and their
+gradients into ``stage`` from their consumer (:func:`skip_grad_kind`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,37 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ACT", "GRAD", "HEADER", "describe", "payload_sizes", "pack", "tensors_from", "unpack"]
+__all__ = [
+    "ACT",
+    "GRAD",
+    "HEADER",
+    "describe",
+    "kinds",
+    "payload_sizes",
+    "pack",
+    "skip_grad_kind",
+    "skip_kind",
+    "tensors_from",
+    "unpack",
+]
 
 HEADER = 512  # bytes of the fixed-size header (pickled shapes, dtypes, flags, non-tensor items)
 ACT, GRAD = 0, 1
+
+
+def skip_kind(producer: int) -> int:
+    """The kind of the tensors ``producer`` stashed, sent to the stage that pops them."""
+    return 2 + 2 * producer
+
+
+def skip_grad_kind(consumer: int) -> int:
+    """The kind of the gradients of tensors that ``consumer`` popped, sent back to their producer."""
+    return 3 + 2 * consumer
+
+
+def kinds(num_stages: int) -> int:
+    """How many kinds of values a pipeline of ``num_stages`` stages sends."""
+    return 2 + 2 * num_stages
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -71,4 +100,9 @@ def tensors_from(meta: list[Any], buffers: dict[int, Tensor], device: torch.devi
 
 
 def describe(kind: int, stage: int, microbatch: int) -> str:
-    return f"the {'activation' if kind == ACT else 'gradient'} for stage {stage}, micro-batch {microbatch}"
+    if kind in (ACT, GRAD):
+        return f"the {'activation' if kind == ACT else 'gradient'} for stage {stage}, micro-batch {microbatch}"
+    peer = (kind - 2) // 2
+    if kind % 2 == 0:
+        return f"the skips from stage {peer} for stage {stage}, micro-batch {microbatch}"
+    return f"the gradient of the skips from stage {stage} to stage {peer}, micro-batch {microbatch}"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 from fastpipe.trace import Timeline
 
-__all__ = ["CompiledSimulation", "Cost", "simulate", "simulate_times"]
+__all__ = ["CompiledSimulation", "Cost", "peak_memory", "simulate", "simulate_times"]
 
 Cost = float | Sequence[float]
 
@@ -123,6 +123,48 @@ def simulate(
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
     return timeline
+
+
+def peak_memory(
+    schedule: Schedule,
+    activation: Cost,
+    skips: Sequence[tuple[int, int, float]] = (),
+    times: dict[Action, tuple[int, float, float]] | None = None,
+) -> list[float]:
+    """Per worker, the most activation bytes alive at once over one simulated step, skips included.
+
+    The activation of ``(stage, mb)`` is alive from the start of its ``F`` to the end of the
+    backward that frees the stage input (``BW``, or ``B`` when split), as in
+    :attr:`~fastpipe.trace.Timeline.peak_activations`. A skip ``(producer, consumer, bytes)``
+    (:mod:`fastpipe.skips`, the edges :func:`fastpipe.skip_memory.stage_skip_edges` gives)
+    adds its bytes to the producer's ``(producer, mb)`` and to the consumer's
+    ``(consumer, mb)``, each held until that stage's backward, and to no stage between.
+
+    Args:
+        schedule: the schedule.
+        activation: bytes of one micro-batch's activation per stage (a scalar or one per stage).
+        skips: the skips that cross stages.
+        times: a result of :func:`simulate_times` for ``schedule`` (default: unit costs).
+    """
+    held = _per_stage(activation, schedule.num_stages, "activation")
+    for producer, consumer, nbytes in skips:
+        for stage in {producer, consumer}:
+            held[stage] += float(nbytes)
+    points: list[list[tuple[float, float]]] = [[] for _ in range(schedule.num_workers)]
+    for action, (w, start, end) in (simulate_times(schedule) if times is None else times).items():
+        if action.kind == "F":
+            points[w].append((start, held[action.stage]))
+        elif action.kind in ("B", "BW"):
+            points[w].append((end, -held[action.stage]))
+    peaks = []
+    for pts in points:
+        pts.sort()  # at equal times a free (negative) comes before an allocation
+        alive = peak = 0.0
+        for _, delta in pts:
+            alive += delta
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
 
 
 class CompiledSimulation:

@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def test_every_example_is_tested_and_says_how_to_run_it() -> None:
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert scripts == ["one_host.py", "own_model.py", "torchrun_pipeline.py"]
+    assert scripts == ["one_host.py", "own_model.py", "torchrun_pipeline.py", "unet_skips.py"]
     for name in scripts:
         assert f"examples/{name}" in (EXAMPLES / name).read_text().split('"""')[1], f"{name}: no run command"
 
@@ -64,3 +64,13 @@ def test_own_model_trains_and_round_trips_through_save_and_load(tmp_path: Path) 
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "the saved weights give the plain model the pipeline's outputs" in out
     assert list(tmp_path.iterdir()) == []  # the checkpoint went to a temporary folder
+
+
+def test_unet_skips_trains_like_the_plain_model_with_the_skips_across_stages(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "unet_skips.py")], cwd=tmp_path)
+    assert "skips e1: stage 0 -> stage 2" in out and "skips e2: stage 1 -> stage 2" in out
+    pipe = _losses(out, r"pipe loss ([0-9.]+)")
+    plain = _losses(out, r"plain loss ([0-9.]+)")
+    assert len(pipe) == 5 and pipe == pytest.approx(plain, rel=1e-4)
+    assert pipe[-1] < pipe[0]
+    assert "the pipeline and the plain model predict the same masks" in out
