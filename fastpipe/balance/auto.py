@@ -23,6 +23,8 @@ from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors,
 from fastpipe.partition import resolve_devices
 from fastpipe.schedule import ScheduleError, build, simulate
 from fastpipe.side_inputs import broadcast, check_side_inputs, split_side_inputs
+from fastpipe.skip_memory import measure_skips
+from fastpipe.skips import has_skips
 
 __all__ = ["auto_balance", "resolve_balance"]
 
@@ -99,6 +101,11 @@ def auto_balance(
     memory = None
     if memory_limit is not None:
         memory = _layer_memory(profile, schedule, workers, chunks, virtual_stages, param_scale)
+        if has_skips(module):  # a skip is held by its stash's and its pop's stage, per micro-batch in flight
+            in_flight = _in_flight(schedule, workers, chunks, virtual_stages)
+            for span in measure_skips(module, micro, **micro_side):
+                for layer in {span.producer, span.consumer}:
+                    memory[layer] += span.nbytes * in_flight
     return plan(
         profile.forward,
         profile.backward,
@@ -136,15 +143,20 @@ def _stage_count(devices: Sequence[object] | None) -> int:
     return count
 
 
-def _layer_memory(
-    profile: LayerProfile, schedule: str, workers: int, chunks: int, virtual_stages: int, param_scale: float
-) -> list[float]:
-    """Bytes each layer needs: its activations for the schedule's in-flight micro-batches, plus its state."""
+def _in_flight(schedule: str, workers: int, chunks: int, virtual_stages: int) -> int:
+    """The schedule's largest number of (stage, micro-batch) activations alive on one worker."""
     try:
         sched = build(schedule, workers, chunks, virtual_stages=virtual_stages)
     except ScheduleError as exc:
         raise BalanceError(str(exc)) from exc
-    in_flight = max(simulate(sched).peak_activations)
+    return int(max(simulate(sched).peak_activations))
+
+
+def _layer_memory(
+    profile: LayerProfile, schedule: str, workers: int, chunks: int, virtual_stages: int, param_scale: float
+) -> list[float]:
+    """Bytes each layer needs: its activations for the schedule's in-flight micro-batches, plus its state."""
+    in_flight = _in_flight(schedule, workers, chunks, virtual_stages)
     return [a * in_flight + param_scale * p for a, p in zip(profile.activation_bytes, profile.parameter_bytes)]
 
 

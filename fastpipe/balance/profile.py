@@ -34,6 +34,7 @@ from torch import nn
 from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of, to_device
 from fastpipe.partition import layers_of
 from fastpipe.side_inputs import call_layer, check_side_inputs, declared, side_inputs_on, split_side_inputs
+from fastpipe.skips import SkipStore, Stash, popped
 
 __all__ = ["MEASURED_TOLERANCE", "LayerProfile", "profile_layers"]
 
@@ -177,10 +178,15 @@ def _first_pass(
     inputs: list[_Input] = []
     acts: list[int] = []
     runs: list[_Run] = []
-    for layer in layers:
+    stashed: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
         if target is None:
             x = _follow(layer, x)
         inputs.append(x)
+        if isinstance(layer, Stash) and isinstance(x.value, torch.Tensor):
+            stashed[layer.name] = x.value
+        if popped(layer):  # profiled with the tensors its stashes recorded, as in the pipeline
+            layer = layers[i] = _Popping(layer, {n: stashed[n] for n in popped(layer) if n in stashed})
         saved: dict[int, int] = {}
         run = _measure(layer, x, side, target, clock, saved)
         acts.append(sum(saved.values()))
@@ -275,6 +281,21 @@ def _grads_set_aside(module: nn.Module) -> Iterator[None]:
     finally:
         for p, g in zip(params, grads):
             p.grad = g
+
+
+class _Popping(nn.Module):
+    """A layer that pops skips, called with the tensors recorded for it (leaves, as a stage receives them)."""
+
+    def __init__(self, layer: nn.Module, skips: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.skips = skips
+        self.fastpipe_side_inputs = declared(layer)
+
+    def forward(self, x: Any, **side: Any) -> Any:
+        device = tensors_of(x)[0].device
+        received = {n: t.detach().to(device).requires_grad_(t.is_floating_point()) for n, t in self.skips.items()}
+        return call_layer(self.layer, x, side, SkipStore(received))
 
 
 @contextlib.contextmanager
