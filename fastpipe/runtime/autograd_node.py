@@ -86,6 +86,9 @@ class PipelineNode(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
         run: NodeRun = ctx.run
         assert run.state is not None
+        # The outputs themselves, kept for Pipe.forward to rebuild their structure: they hold
+        # this node, so keeping them past a failed backward would keep the pipe alive.
+        run.output_structure = ()
         per_mb: list[list[Tensor | None]] = [[] for _ in run.output_sizes]
         for g in grads:
             pieces = [None] * len(run.output_sizes) if g is None else list(g.split(run.output_sizes, dim=0))

@@ -276,8 +276,10 @@ def _worker_main(q: queue.SimpleQueue[Any]) -> None:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 report(exc)
             finally:
-                del job
+                # report holds the phase, and the phase its failure, whose traceback holds the
+                # step (and through its autograd node the pipe): nothing of it may wait here.
                 done.release()
+                del job, report, done
     finally:
         with _live_lock:
             _live -= 1
