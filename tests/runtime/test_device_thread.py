@@ -5,10 +5,10 @@ device, and a stage worker that called autograd on that device's tensors would d
 There the engine thread runs the backward of that device's stages itself. The emulated
 device (tests/emulated_device.py, the ``emu`` fixture) has such an engine thread, so these
 tests check, with torch's own routing, that this path gives the very numbers of the CPU
-pipe, that no worker of a device stage calls autograd while the node runs on the device
-thread, and that failures inside it neither hang nor leak threads. Which workers run inline
-for several GPUs is checked on the decision itself (``inline_workers``), as there is one
-emulated device.
+pipe (and those of the plain model, to rounding), that no worker of a device stage calls
+autograd while the node runs on the device thread, and that failures inside it neither
+hang nor leak threads. Which workers run inline for several GPUs is checked on the
+decision itself (``inline_workers``), as there is one emulated device.
 """
 
 import gc
@@ -17,6 +17,7 @@ import threading
 import emulated_device
 import pytest
 import torch
+from _seeded_reference import seeded_forward, step_seed_after
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
@@ -43,6 +44,9 @@ def model(p=0.0):
 
 
 BALANCE = {2: [4, 5], 3: [3, 3, 3]}
+STEP = 7
+# Reductions from input to output (the widths) plus the rows a weight gradient sums over.
+K = 12 + 4 * 24 + 16
 PLACEMENTS = ["emu,emu", "cpu,emu", "emu,cpu", "emu,emu,emu", "cpu,emu,cpu", "emu,cpu,emu"]
 
 
@@ -54,6 +58,7 @@ def run(net, devs, checkpoint, x, balance=None, **kwargs):
     """Forward and backward through a Pipe on ``devs``; results on the CPU."""
     pipe = Pipe(net, balance=balance or BALANCE[len(devs)], devices=devs, chunks=4, checkpoint=checkpoint, **kwargs)
     xp = x.clone().to(devs[0]).requires_grad_()
+    torch.manual_seed(STEP)  # the step's seed is the first draw after it
     out = pipe(xp)
     weights = torch.linspace(-1, 1, out.numel()).view_as(out).to(out.device)
     emulated_device.backward((out * weights).sum())
@@ -83,6 +88,15 @@ def test_same_numbers_as_cpu_pipe(placement, checkpoint, emu, autograd_threads):
         # On the device thread, which ran the device stages' backward itself.
         device_threads = {n for n in callers if n.startswith("Dummy")}
         assert len(device_threads) == 1 and callers - device_threads == workers
+    # And the plain model, run micro-batch by micro-batch with the tasks' seeds.
+    ref = model(0.2)
+    xr = x.clone().requires_grad_()
+    out_ref = torch.cat(seeded_forward(ref, BALANCE[len(devs)], xr, 4, step_seed_after(STEP)))
+    (out_ref * torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)).sum().backward()
+    assert_close_reordered(out2, out_ref.detach(), k=K)
+    assert_close_reordered(gx2, xr.grad, k=K)
+    for g, p in zip(grads2, ref.parameters()):
+        assert_close_reordered(g, p.grad, k=K)
 
 
 def test_autocast_and_deferred_batch_norm(emu):
