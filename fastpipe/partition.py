@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fastpipe.microbatch import Value, check_value, tensors_of
+from fastpipe.runtime.device import normalize
 
 __all__ = [
     "Device",
@@ -159,7 +160,8 @@ def resolve_devices(devices: Sequence[Device] | None, num_stages: int) -> list[t
             "per stage (repeat a device to put several stages on it)"
         )
     out = [_device(d, i) for i, d in enumerate(devices[:num_stages])]
-    _check_cuda_devices(out, list(devices[:num_stages]))
+    for kind in sorted({d.type for d in out} - {"cpu", "meta"}):
+        _check_accelerator(kind, out, list(devices[:num_stages]))
     return out
 
 
@@ -172,29 +174,43 @@ def _device(d: object, i: int) -> torch.device:
         raise ValueError(
             f"fastpipe: devices[{i}] = {d!r} is not a device name ({exc}); give e.g. 'cuda:0' or 'cpu'"
         ) from None
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    return dev
+    if dev.index is None and dev.type not in ("cpu", "meta") and not _seen(dev.type)[0]:
+        return torch.device(dev.type, 0)  # named as missing by _check_accelerator
+    # An explicit index everywhere: autograd's engine asserts on a bare accelerator type.
+    return normalize(dev)
 
 
-def _check_cuda_devices(devices: list[torch.device], asked: list[object]) -> None:
-    wanted = [d for d in devices if d.type == "cuda"]
-    if not wanted:
-        return
-    available = torch.cuda.is_available()
-    count = torch.cuda.device_count() if available else 0
-    missing = sorted({d.index for d in wanted if d.index is None or d.index >= count})
+def _seen(kind: str) -> tuple[bool, int]:
+    """``torch.<kind>.is_available()`` and its device count (0 when unavailable).
+
+    A device type without such a module (a custom one) counts as available, its
+    indices unchecked: torch raises its own errors there.
+    """
+    module: Any = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    device_count = getattr(module, "device_count", None)
+    if not callable(is_available) or not callable(device_count):
+        return True, 1 << 30
+    available = bool(is_available())
+    return available, int(device_count()) if available else 0
+
+
+def _check_accelerator(kind: str, devices: list[torch.device], asked: list[object]) -> None:
+    """Name the devices of type ``kind`` that ``torch.<kind>`` does not see."""
+    available, count = _seen(kind)
+    missing = sorted({d.index for d in devices if d.type == kind and (d.index is None or d.index >= count)})
     if not missing:
         return
-    seen = f"torch.cuda.is_available() is {available} and torch.cuda.device_count() is {count}" + (
-        "" if torch.version.cuda else " (this torch is a CPU-only build)"
+    seen = f"torch.{kind}.is_available() is {available} and torch.{kind}.device_count() is {count}" + (
+        " (this torch is a CPU-only build)" if kind == "cuda" and not torch.version.cuda else ""
     )
     raise ValueError(
-        f"fastpipe: devices={asked!r} asks for {', '.join(f'cuda:{i}' for i in missing)}, but {seen}. "
+        f"fastpipe: devices={asked!r} asks for {', '.join(f'{kind}:{i}' for i in missing)}, but {seen}. "
         + (
             "Use devices=['cpu'] * len(balance) (or devices=None) on this host, or run where the GPUs are visible"
             if count == 0
-            else f"Use indices 0..{count - 1} (entries may repeat) or check CUDA_VISIBLE_DEVICES"
+            else f"Use indices 0..{count - 1} (entries may repeat)"
+            + (" or check CUDA_VISIBLE_DEVICES" if kind == "cuda" else "")
         )
     )
 

@@ -44,7 +44,7 @@ step, by :func:`~fastpipe.rng_seeds.draw_step_seed`). Only the random call itsel
 lock; the CPU generator serialises its draws under its own mutex anyway. The routing sits at
 the top-level call: inside a composite such as ``F.multi_head_attention_forward`` the mode
 is off, and the nested draws find the task's state already loaded. Locks are taken CPU
-first, then CUDA by index, so two tasks cannot deadlock.
+first, then each accelerator by type and index, so two tasks cannot deadlock.
 
 **Cost only where there is randomness.** A ``TorchFunctionMode`` intercepts every op of its
 thread, so a stage that cannot draw at all (:func:`~fastpipe.rng_registry.may_draw`: only
@@ -80,6 +80,7 @@ from torch.overrides import TorchFunctionMode
 # so ``fastpipe.rng`` stays the one public address of fastpipe's randomness.
 from fastpipe.rng_registry import RANDOM_OPS, may_draw, register_deterministic, register_random_op
 from fastpipe.rng_seeds import draw_step_seed, task_seed
+from fastpipe.runtime.device import normalize
 
 __all__ = [
     "draw_step_seed",
@@ -96,6 +97,7 @@ __all__ = [
 
 # -- per-device default generators, and their locks ----------------------------------------
 
+_CPU = torch.device("cpu")
 _locks: dict[torch.device, threading.RLock] = {}
 _locks_guard = threading.Lock()
 
@@ -128,19 +130,30 @@ def _seed(device: torch.device, seed: int) -> None:
 def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
-    torch.cuda.init()
-    return torch.cuda.default_generators[device.index]
+    module: Any = getattr(torch, device.type)
+    if not module.default_generators:
+        module.init()  # torch.cuda and torch.xpu fill them at their lazy init
+    return module.default_generators[device.index]
 
 
 def _normal(device: Any) -> torch.device:
+    """The device whose default generator a random op on ``device`` draws from.
+
+    An accelerator whose torch module keeps per-device ``default_generators`` (CUDA, XPU, a
+    PrivateUse1 backend that offers them) draws from its own; any other device (``meta``,
+    the tests' emulated device, whose ops run on CPU tensors) from the CPU's.
+    """
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device if device.type == "cuda" else torch.device("cpu")
+    if device.type == "cpu" or not hasattr(getattr(torch, device.type, None), "default_generators"):
+        return _CPU
+    return normalize(device)
 
 
-_CPU = torch.device("cpu")
 _ONLY_CPU = [_CPU]
+
+
+def _lock_order(device: torch.device) -> tuple[bool, str, int]:
+    return device.type != "cpu", device.type, device.index or 0
 
 
 def _devices_of(args: tuple, kwargs: dict) -> list[torch.device]:
@@ -164,7 +177,7 @@ def _devices_of(args: tuple, kwargs: dict) -> list[torch.device]:
             found.update(_normal(t.device) for t in a if isinstance(t, Tensor))
     if not found:
         found.add(_normal(torch.get_default_device()))
-    return sorted(found, key=lambda d: (d.type != "cpu", d.index or 0))
+    return sorted(found, key=_lock_order)
 
 
 _current = threading.local()
@@ -199,7 +212,7 @@ class TaskRNG(TorchFunctionMode):
         super().__init__()
         self.seed = seed
         self._states: dict[torch.device, Tensor] = {}
-        self._watch = sorted({_normal(d) for d in watch}, key=lambda d: (d.type != "cpu", d.index or 0))
+        self._watch = sorted({_normal(d) for d in watch}, key=_lock_order)
         self._watched: list[Tensor] = []
         self._outer: TaskRNG | None = None
 

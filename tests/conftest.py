@@ -94,13 +94,44 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "time_limit(seconds): this test's own time limit")
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    # The emulated-device tests run in a child pytest when other tests share the session.
+    if any("emu" in getattr(item, "fixturenames", ()) for item in items):
+        import _emulated_session
+
+        _emulated_session.arrange(session, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not item.keywords: a folder named gpu matches it
             item.add_marker(skip)
+
+
+@pytest.fixture
+def emu():
+    """The emulated accelerator ``emu:0`` (tests/emulated_device.py): CUDA's autograd thread routing on a CPU.
+
+    Skips, saying why, on a CUDA host and where this torch cannot register a Python
+    PrivateUse1 device. Fails a test that leaves emu tensors alive or torch's thread state
+    changed.
+    """
+    import emulated_device
+
+    reason = emulated_device.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    if emulated_device.stuck() is not None:
+        pytest.fail(f"the emulated device's engine thread is stuck after {emulated_device.stuck()}")
+    before = emulated_device.thread_state()
+    yield emulated_device.device()
+    after = emulated_device.thread_state()
+    assert after == before, f"the test changed torch's thread state: {before} -> {after}"
+    if emulated_device.stuck() is not None:
+        return  # the test failed with the stacks; a leak check would wait behind the stuck thread
+    left = emulated_device.live_tensors()
+    assert not left, f"the test left {len(left)} emu tensors alive, e.g. {left[0].shape}"
 
 
 @pytest.fixture(autouse=True)

@@ -86,15 +86,19 @@ class PipelineNode(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
         run: NodeRun = ctx.run
         assert run.state is not None
+        # The outputs themselves, kept for Pipe.forward to rebuild their structure: they hold
+        # this node, so keeping them past a failed backward would keep the pipe alive.
+        run.output_structure = ()
         per_mb: list[list[Tensor | None]] = [[] for _ in run.output_sizes]
         for g in grads:
             pieces = [None] * len(run.output_sizes) if g is None else list(g.split(run.output_sizes, dim=0))
             for m, piece in enumerate(pieces):
                 per_mb[m].append(piece)
-        # autograd runs this node on the engine thread of its gradients' device; on a
-        # device thread the GPU stages' backwards must run here (see runtime.inline).
-        on_device_thread = any(g is not None and g.device.type != "cpu" for g in grads)
-        input_grads, param_grads = run.runtime.backward(run.state, per_mb, on_device_thread=on_device_thread)
+        # autograd runs this node on the engine thread of its gradients' device (the first
+        # non-CPU one, as the engine picks it); on a device thread the stages on that
+        # device must run their backward here (see runtime.inline).
+        thread_device = next((g.device for g in grads if g is not None and g.device.type != "cpu"), None)
+        input_grads, param_grads = run.runtime.backward(run.state, per_mb, thread_device=thread_device)
         flat_params = [g for stage in run.fold_grads(param_grads) for g in stage]
         return (None, *join_input_grads(input_grads, run.input_devices), *flat_params)
 

@@ -3,8 +3,12 @@
 ``fastpipe._C`` speaks raw pointers, byte counts and stream handles. This module maps
 ``torch.device`` objects onto it:
 
+* what the runtime may use on a device type is one row of a small table
+  (:func:`capabilities`): CUDA has torch streams, ``_C`` copies and pinned staging; every
+  other accelerator (XPU, MPS, a PrivateUse1 backend such as the tests' emulated device)
+  takes the generic path, torch's own ``Tensor.to`` and no stream handling;
 * a CUDA device ``cuda:i`` uses the CUDA backend (runtime device ``i``) when the driver
-  can be loaded; everything else (CPU) uses the host backend (runtime device ``-1``);
+  can be loaded; the CPU uses the host backend (runtime device ``-1``);
 * each device gets one cached copy stream, created on first use (thread-safe);
 * torch's current CUDA stream is wrapped (not owned) with ``_C.Stream.from_handle``.
 
@@ -14,8 +18,11 @@ importing fastpipe before forking stays safe.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,12 +30,16 @@ import fastpipe._C as _C
 
 __all__ = [
     "HOST_DEVICE",
+    "Capabilities",
     "as_torch_stream",
     "backend_for",
+    "capabilities",
     "copy_stream",
     "current_stream",
     "current_stream_handle",
+    "device_context",
     "host_pool",
+    "normalize",
     "runtime_device",
 ]
 
@@ -52,28 +63,76 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _normalize(device: torch.device | str | int) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+@dataclass(frozen=True)
+class Capabilities:
+    """What fastpipe's runtime uses on one device type.
+
+    Attributes:
+        streams: torch's CUDA stream API drives it: a stage runs under ``torch.cuda.device``
+            with a bound context and the caller's current streams, and copies are ordered
+            on streams by events.
+        c_copies: ``fastpipe._C``'s copy streams and events move its tensors (else
+            :mod:`fastpipe.runtime.transfer` uses ``Tensor.to``).
+        pinned: host copies are staged through ``fastpipe._C``'s pinned pool.
+    """
+
+    streams: bool
+    c_copies: bool
+    pinned: bool
+
+
+#: The CPU, and any accelerator without a path of its own (XPU, MPS, PrivateUse1 backends).
+_GENERIC = Capabilities(streams=False, c_copies=False, pinned=False)
+_CUDA = Capabilities(streams=True, c_copies=True, pinned=True)
+#: CUDA whose driver ``fastpipe._C`` cannot load (unusual: torch loaded it).
+_CUDA_WITHOUT_C = Capabilities(streams=True, c_copies=False, pinned=False)
+
+
+def capabilities(device: torch.device | str | int) -> Capabilities:
+    """The row of the capability table for ``device``'s type (``int``: a CUDA ordinal)."""
+    kind = torch.device(device).type if not isinstance(device, int) else "cuda"
+    if kind == "cuda":
+        return _CUDA if _C.backend_available("cuda") else _CUDA_WITHOUT_C
+    return _GENERIC
+
+
+def normalize(device: torch.device | str | int) -> torch.device:
+    """``device`` with its index: an accelerator without one means its current device.
+
+    autograd's engine wants explicit indices (it asserts on a bare ``"xpu"``), and equal
+    devices must compare equal (``cuda`` and ``cuda:0`` do not).
+    """
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    module: Any = getattr(torch, device.type, None)
+    current = getattr(module, "current_device", None)
+    index = current() if callable(current) else 0
+    return torch.device(device.type, index if isinstance(index, int) else 0)
+
+
+def device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` the thread's current device where torch keeps one per thread (CUDA)."""
+    if capabilities(device).streams:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def backend_for(device: torch.device | str | int) -> str:
     """Return the ``_C`` backend serving ``device``: ``"cuda"`` or ``"host"``.
 
-    A CUDA device whose driver ``_C`` cannot load (unusual: torch loaded it) reports
-    ``"host"``; :mod:`fastpipe.runtime.transfer` then falls back to ``Tensor.to``.
+    A device without ``_C`` copies (a CUDA device whose driver ``_C`` cannot load, or any
+    other accelerator) reports ``"host"``; :mod:`fastpipe.runtime.transfer` then uses
+    ``Tensor.to`` for it.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and _C.backend_available("cuda"):
-        return "cuda"
-    return "host"
+    return "cuda" if capabilities(device).c_copies else "host"
 
 
 def runtime_device(device: torch.device | str | int) -> int:
     """Return the ``_C`` device index for ``device``: the CUDA ordinal, or -1 (host)."""
-    device = _normalize(device)
+    device = normalize(device)
     if backend_for(device) == "cuda":
         assert device.index is not None
         return device.index
@@ -96,8 +155,8 @@ def copy_stream(device: torch.device | str | int) -> _C.Stream:
 
 def current_stream_handle(device: torch.device | str | int) -> int:
     """Return torch's current CUDA stream on ``device`` as a raw ``CUstream`` (0 = default)."""
-    device = _normalize(device)
-    if device.type != "cuda":
+    device = normalize(device)
+    if not capabilities(device).streams:
         raise ValueError(f"{device} has no CUDA stream")
     return int(torch.cuda.current_stream(device).cuda_stream)
 
@@ -108,7 +167,7 @@ def current_stream(device: torch.device | str | int) -> _C.Stream:
     Wrappers are cached per ``(device, handle)``; wrapping costs no driver call after
     the first.
     """
-    device = _normalize(device)
+    device = normalize(device)
     index = runtime_device(device)
     if index == HOST_DEVICE:
         raise ValueError(f"{device} is not served by the CUDA backend")
@@ -126,7 +185,7 @@ def as_torch_stream(stream: _C.Stream, device: torch.device | str | int) -> torc
 
     The ``_C.Stream`` must outlive the returned object.
     """
-    device = _normalize(device)
+    device = normalize(device)
     if stream.backend != "cuda":
         raise ValueError("only CUDA-backend streams can be seen by torch")
     if device.index != stream.device:

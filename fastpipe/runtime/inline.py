@@ -15,23 +15,26 @@ as soon as one stage lives on that device::
                  ▲ the same thread, blocked: nothing ever runs them ◀──────────────┘
 
 A backward started *from* an engine thread runs reentrantly, inline on that thread, and
-its nodes on other CUDA devices go to those devices' engine threads, which nothing
-blocks. So when the node runs on a device thread, the calling thread executes the
-actions of every worker that owns a non-CPU stage itself, interleaved in an order the
-schedule allows (:func:`run_inline`), while workers of CPU stages keep their own threads
-and overlap as before. Kernel launches are asynchronous, so one host thread keeps
-several GPUs busy. Nothing else calls autograd on CUDA tensors meanwhile: CPU stages'
-graphs hold CPU tensors only (their inputs are fresh leaves on the stage's device) and
-gradients cross devices through ``fastpipe._C`` copies, not autograd.
+its nodes on other devices go to those devices' engine threads, which nothing blocks. So
+when the node runs on the device thread of ``cuda:d``, the calling thread executes the
+actions of every worker that owns a stage on ``cuda:d`` itself, interleaved in an order the
+schedule allows (:func:`run_inline`). Workers of stages on other GPUs keep their threads:
+their autograd calls go to their own devices' engine threads, so the GPUs' host work
+overlaps as it does in the forward. Workers of CPU stages keep their threads too: CPU
+stages' graphs hold CPU tensors only (their inputs are fresh leaves on the stage's device)
+and gradients cross devices through copies, not autograd::
 
-The alternative, stitching the CUDA stages into one autograd graph, would give up the
+    engine thread cuda:0 ── node ── runs the cuda:0 workers' B/W here
+    worker (cuda:1) ──── autograd.grad ──▶ engine thread cuda:1 (free)
+    worker (cpu) ─────── autograd.grad ──▶ runs on the worker itself
+
+The alternative, stitching the GPU stages into one autograd graph, would give up the
 per-stage control the schedules need (recompute placement, split B/W, the fused weight
 gradients) and differ from the CPU path in every one of them; running the very same
 action handlers on another thread keeps one code path.
 
-A CPU run takes this path for the stages named in ``LocalRuntime``'s
-``simulated_device_stages``, as if they were on a GPU and the node on its device thread,
-so CI covers it.
+The tests run this path on an emulated accelerator (``tests/emulated_device.py``), a
+PrivateUse1 device whose engine thread routes autograd exactly like CUDA's.
 """
 
 from __future__ import annotations
@@ -43,30 +46,31 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 
 from fastpipe.runtime.mailbox import Mailbox
+from fastpipe.runtime.worker import autocast_types
 from fastpipe.schedule import Action, Schedule
 
 __all__ = ["inline_workers", "run_inline", "worker_like"]
 
 
 def inline_workers(
-    schedule: Schedule, devices: Sequence[torch.device], on_device_thread: bool, simulated: frozenset[int] = frozenset()
+    schedule: Schedule, devices: Sequence[torch.device], thread_device: torch.device | None
 ) -> frozenset[int]:
     """The workers whose actions the calling thread must run itself.
 
     Args:
         schedule: the step's schedule.
         devices: the device of every stage.
-        on_device_thread: the calling thread is an autograd engine device thread (the
-            pipeline's backward node received a gradient on a non-CPU device).
-        simulated: stages to treat as on a GPU, with the node on its device thread (tests).
+        thread_device: the device whose autograd engine thread is calling (the one the
+            pipeline's backward node received its gradients on), or None for a thread
+            of no device: then every worker keeps its thread.
+
+    Returns:
+        The workers that own a stage on ``thread_device``.
     """
-    on_device = {s for s, d in enumerate(devices) if d.type != "cpu"}
-    if simulated:
-        on_device |= simulated
-        on_device_thread = True
-    if not on_device_thread or not on_device:
+    if thread_device is None or thread_device.type == "cpu":
         return frozenset()
-    return frozenset(w for w, actions in enumerate(schedule.workers) if any(a.stage in on_device for a in actions))
+    on_thread = {s for s, d in enumerate(devices) if d == thread_device}
+    return frozenset(w for w, actions in enumerate(schedule.workers) if any(a.stage in on_thread for a in actions))
 
 
 @contextlib.contextmanager
@@ -76,7 +80,10 @@ def worker_like() -> Iterator[None]:
     An engine thread runs a node under no_grad, and a caller may run ``backward()``
     inside autocast; the handlers expect a worker's state and set what they need.
     """
-    with torch.enable_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        for kind in autocast_types():
+            stack.enter_context(torch.autocast(kind, enabled=False))
         yield
 
 

@@ -7,9 +7,10 @@ thread, with the handlers of :mod:`fastpipe.runtime.step` and a
 ``Pipe.forward``'s backward is one autograd node, and on a GPU that node is where the design
 must bend. autograd runs a node whose gradients live on ``cuda:d`` on its engine thread for
 ``cuda:d``, and every autograd call another thread makes on ``cuda:d`` tensors queues behind
-it: a node that waits for stage workers there deadlocks. So when the node runs on a device
-thread, that thread runs the backward actions of every GPU stage itself, reentrantly and in
-an order the schedule allows, while CPU stages keep their workers
+it: a node that waits for stage workers there deadlocks. So when the node runs on the device
+thread of ``cuda:d``, that thread runs the backward actions of the stages on ``cuda:d``
+itself, reentrantly and in an order the schedule allows, while the stages on other devices
+keep their workers
 (:mod:`fastpipe.runtime.inline`, which also says why not one graph stitched across the GPU
 stages). ``train_step`` is not inside autograd and runs every stage in its worker.
 """
@@ -17,9 +18,10 @@ stages). ``train_step`` is not inside autograd and runs every stage in its worke
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fastpipe.errors import PipelineError, annotate
@@ -47,9 +49,6 @@ class LocalRuntime:
         copy_same_device: send hand-offs between stages on the same device through the
             copy runtime too (as between devices). Tests use it to exercise the transfer
             path on CPU-only hosts; it also measures that path's overhead.
-        simulated_device_stages: stages whose backward runs as if they were on a GPU and
-            ``Pipe.forward``'s backward node on autograd's device thread (the inline path of
-            :mod:`fastpipe.runtime.inline`). Tests use it to cover that path on CPU hosts.
     """
 
     def __init__(
@@ -58,19 +57,11 @@ class LocalRuntime:
         recorder: Recorder | None = None,
         *,
         copy_same_device: bool = False,
-        simulated_device_stages: Iterable[int] = (),
     ) -> None:
         self.stages = list(stages)
         route_skips(self.stages)  # refuses bad declarations here, when the pipe is built
         self.recorder = recorder
         self.copy_same_device = copy_same_device
-        simulated = frozenset(simulated_device_stages)
-        outside = sorted(s for s in simulated if not 0 <= s < len(self.stages))
-        if outside:
-            raise ValueError(
-                f"fastpipe: simulated_device_stages names stages {outside} outside 0..{len(self.stages) - 1}"
-            )
-        self.simulated_device_stages = simulated
         self._pool: WorkerPool | None = None
 
     def start_timeline(self, enabled: bool, workers: int) -> Timeline | None:
@@ -115,7 +106,11 @@ class LocalRuntime:
         return [step.results[m] for m in range(len(microbatches))], state
 
     def backward(
-        self, state: StepState, grad_outputs: Sequence[Sequence[Tensor | None]], *, on_device_thread: bool = False
+        self,
+        state: StepState,
+        grad_outputs: Sequence[Sequence[Tensor | None]],
+        *,
+        thread_device: torch.device | None = None,
     ) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
         """Run the schedule's backward actions after :meth:`forward`.
 
@@ -123,8 +118,8 @@ class LocalRuntime:
             state: from :meth:`forward` with ``grad=True``; consumed.
             grad_outputs: per micro-batch, one gradient (or None) per tensor of the last
                 stage's output.
-            on_device_thread: this thread is an autograd engine device thread; the
-                workers of non-CPU stages then run here (see :mod:`fastpipe.runtime.inline`).
+            thread_device: the device whose autograd engine thread this is, if any; the
+                workers of the stages on it then run here (see :mod:`fastpipe.runtime.inline`).
 
         Returns:
             ``(input_grads, param_grads)``: per micro-batch, the gradient of each input
@@ -140,9 +135,7 @@ class LocalRuntime:
         step = self._step(state, grad=True, checkpoint=lambda m: False, loss=None)
         step.post_output_grads(grad_outputs)
         try:
-            inline = inline_workers(
-                state.schedule, [st.device for st in self.stages], on_device_thread, self.simulated_device_stages
-            )
+            inline = inline_workers(state.schedule, [st.device for st in self.stages], thread_device)
             self.execute(state.schedule, ("BW", "B", "W"), step, "backward", inline)
         finally:
             state.tasks.clear()

@@ -115,7 +115,7 @@ class Transfer:
         if self._event is None:
             assert self._result is not None
             return self._result
-        if self._device.type == "cuda":
+        if _dev.capabilities(self._device).c_copies:
             self._event.wait(_dev.current_stream(self._device))
             assert self._result is not None
             return self._result
@@ -149,13 +149,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _normalize(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def start_transfer(src: torch.Tensor, device: torch.device | str, *, force: bool = False) -> Transfer:
     """Start copying ``src`` to ``device``; return the in-flight :class:`Transfer`.
 
@@ -176,27 +169,23 @@ def start_transfer(src: torch.Tensor, device: torch.device | str, *, force: bool
     after the copy); using the result on other streams needs the usual
     ``record_stream``/event care, as for any tensor in torch.
     """
-    device = _normalize(device)
+    device = _dev.normalize(device)
     collect_pending()
     if src.device == device and not force:
         return Transfer(src, device)
 
     src_c = src.detach().contiguous()
     nbytes = _nbytes(src_c)
-    src_cuda = src_c.device.type == "cuda"
-    dst_cuda = device.type == "cuda"
-    if src_c.device.type not in ("cpu", "cuda") or device.type not in ("cpu", "cuda"):
-        # Devices the runtime does not know (mps, meta, ...): plain torch copy.
-        return Transfer(src_c.to(device, copy=True), device)
-    if (src_cuda or dst_cuda) and not _C.backend_available("cuda"):
-        # torch sees a GPU the runtime cannot drive: fall back to a synchronous copy.
+    src_cuda = _dev.capabilities(src_c.device).c_copies
+    dst_cuda = _dev.capabilities(device).c_copies
+    if not (src_cuda or src_c.device.type == "cpu") or not (dst_cuda or device.type == "cpu"):
+        # A device fastpipe._C does not drive (XPU, MPS, PrivateUse1, meta, or CUDA
+        # without its driver): torch's own copy, ordered on that device's current stream.
         return Transfer(src_c.to(device, copy=True), device)
 
     if nbytes == 0:
-        if dst_cuda:
-            with torch.cuda.device(device):
-                return Transfer(torch.empty(src_c.shape, dtype=src_c.dtype, device=device), device)
-        return Transfer(torch.empty(src_c.shape, dtype=src_c.dtype, device=device), device)
+        with _dev.device_context(device):
+            return Transfer(torch.empty(src_c.shape, dtype=src_c.dtype, device=device), device)
 
     if not src_cuda and not dst_cuda:
         return _host_to_host(src_c, device, nbytes)
@@ -229,7 +218,7 @@ def _consumer_free_event(device: torch.device) -> Any:
 
 
 def _host_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> Transfer:
-    with torch.cuda.device(device):
+    with _dev.device_context(device):
         dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     stream = _dev.copy_stream(device)
     _consumer_free_event(device).wait(stream)
@@ -238,7 +227,7 @@ def _host_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> Tra
         host_ptr, keep = src.data_ptr(), (src,)
     else:
         # Pageable memory: stage into a pinned block so the copy is truly async.
-        block = _dev.host_pool(pinned=True).acquire(nbytes)
+        block = _dev.host_pool(pinned=_dev.capabilities(device).pinned).acquire(nbytes)
         _C.memcpy(block.ptr, src.data_ptr(), nbytes)
         host_ptr, keep = block.ptr, (block,)
     stream.copy(dst.data_ptr(), host_ptr, nbytes, "h2d")
@@ -252,7 +241,7 @@ def _device_to_host(src: torch.Tensor, device: torch.device, nbytes: int) -> Tra
     ready.record(_dev.current_stream(src.device))
     stream = _dev.copy_stream(src.device)
     ready.wait(stream)
-    block = _dev.host_pool(pinned=True).acquire(nbytes)
+    block = _dev.host_pool(pinned=_dev.capabilities(src.device).pinned).acquire(nbytes)
     stream.copy(block.ptr, src.data_ptr(), nbytes, "d2h")
     done = stream.record_event()
     _defer(done, (src, block))
@@ -262,7 +251,7 @@ def _device_to_host(src: torch.Tensor, device: torch.device, nbytes: int) -> Tra
 def _device_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> Transfer:
     ready = _C.Event()
     ready.record(_dev.current_stream(src.device))
-    with torch.cuda.device(device):
+    with _dev.device_context(device):
         dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     stream = _dev.copy_stream(device)
     ready.wait(stream)

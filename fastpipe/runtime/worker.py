@@ -21,9 +21,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallerState", "Phase", "WorkerPool", "live_worker_threads", "make_current", "recomputing", "is_recomputing"]
+from fastpipe.runtime.device import capabilities
 
-_AUTOCAST_TYPES = ("cpu", "cuda")
+__all__ = [
+    "CallerState",
+    "Phase",
+    "WorkerPool",
+    "autocast_types",
+    "live_worker_threads",
+    "make_current",
+    "recomputing",
+    "is_recomputing",
+]
+
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps")
 _live = 0
 _live_lock = threading.Lock()
 _local = threading.local()
@@ -47,6 +58,18 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _local.recomputing = before
+
+
+def autocast_types() -> tuple[str, ...]:
+    """The device types whose autocast state a worker takes over from its caller.
+
+    torch's own accelerators, and a PrivateUse1 backend once its device module offers
+    autocast (torch refuses ``torch.autocast`` for one that does not).
+    """
+    name = torch._C._get_privateuse1_backend_name()
+    if hasattr(getattr(torch, name, None), "get_amp_supported_dtype"):
+        return (*_AUTOCAST_TYPES, name)
+    return _AUTOCAST_TYPES
 
 
 def live_worker_threads() -> int:
@@ -76,7 +99,7 @@ class CallerState:
     def capture() -> CallerState:
         """Snapshot the current thread's grad mode, autocast, default device and streams."""
         autocast = tuple(
-            (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in _AUTOCAST_TYPES
+            (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in autocast_types()
         )
         return CallerState(
             torch.is_grad_enabled(),
@@ -105,10 +128,11 @@ class CallerState:
         default (``meta``, or CUDA for a CPU stage) is kept as it is.
         """
         default = self.default_device
-        if device.type != "cuda" and default.type == "cpu":
+        streams = capabilities(device).streams
+        if not streams and default.type == "cpu":
             return contextlib.nullcontext()  # the common CPU case costs nothing
         stack = contextlib.ExitStack()
-        if device.type == "cuda":
+        if streams:
             stack.enter_context(torch.cuda.device(device))  # first: it restores the thread's device on exit
             make_current(device)
             for stream in self.streams:
@@ -252,8 +276,10 @@ def _worker_main(q: queue.SimpleQueue[Any]) -> None:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 report(exc)
             finally:
-                del job
+                # report holds the phase, and the phase its failure, whose traceback holds the
+                # step (and through its autograd node the pipe): nothing of it may wait here.
                 done.release()
+                del job, report, done
     finally:
         with _live_lock:
             _live -= 1

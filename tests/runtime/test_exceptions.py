@@ -70,3 +70,21 @@ def test_no_thread_leak_after_failures_and_close():
         pipe.close()
     assert live_worker_threads() == before_workers
     assert threading.active_count() == before_threads
+
+
+def test_a_pipe_whose_backward_failed_is_collected():
+    # Its output holds the pipeline's autograd node; the node must not hold the output in
+    # turn, or the failed step would keep the pipe and its parameters alive for good.
+    import gc
+    import weakref
+
+    def failed_step():
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Boom(on_backward=True)), balance=[1, 1], chunks=2)
+        out = pipe(torch.randn(4, 4))
+        with pytest.raises(KeyError):
+            out.sum().backward()
+        return weakref.ref(pipe), weakref.ref(pipe[0].weight)
+
+    pipe, weight = failed_step()
+    gc.collect()
+    assert pipe() is None and weight() is None
