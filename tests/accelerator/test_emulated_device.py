@@ -49,12 +49,15 @@ def waiting_backward(device, wait):
     return outcome[0]
 """
 
+# The child leaves with os._exit: its engine thread is still stuck, and a normal interpreter
+# exit would tear that C++ thread down and abort ("terminate called without an active exception").
 CHILD = """
-import sys
+import os, sys
 sys.path.insert(0, sys.argv[1])
 import emulated_device
 emulated_device.register()
-print(waiting_backward(emulated_device.device(), float(sys.argv[2])))
+print(waiting_backward(emulated_device.device(), float(sys.argv[2])), flush=True)
+os._exit(0)
 """
 
 
