@@ -1,7 +1,9 @@
 """The adapter's Sequential is the HF model: the same logits, loss and gradients, on the model's own parameters.
 
-Compared bit for bit: with dropout 0 and no cache, every layer runs the HF modules on the
-same tensors in the same order as the HF model's forward.
+The logits are compared bit for bit: with dropout 0 and no cache, every layer runs the HF
+modules on the same tensors in the same order as the HF model's forward. The loss and the
+gradients, within fp_tolerance: ``causal_lm_loss`` divides a sum by the token count where
+HF's loss takes torch's mean, the same value through another path of torch's kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from _hf_models import PLAN_FAMILIES, batch, grads_by_name, reference_step, tiny  # noqa: E402
+from fp_tolerance import assert_close_reordered  # noqa: E402
 
 import fastpipe  # noqa: E402
 from fastpipe.hf import causal_lm_loss, to_sequential  # noqa: E402
@@ -34,12 +37,12 @@ def test_logits_loss_and_gradients_equal_the_hf_model(family: str, attn: str, ti
     logits = seq(ids, **side)
     assert torch.equal(logits, model(ids, attention_mask=mask).logits)
     loss = causal_lm_loss(logits, labels)
-    assert torch.equal(loss, ref_loss)
+    assert_close_reordered(loss, ref_loss, k=labels.numel())
     loss.backward()
     grads = grads_by_name(model)  # the HF model's own parameters got the gradients
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
-        assert torch.equal(grads[name], grad), name
+        assert_close_reordered(grads[name], grad, k=256, msg=name)
 
 
 @pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
