@@ -72,22 +72,6 @@ def tied_blocks(module: nn.Sequential) -> list[int]:
     return sizes
 
 
-def widest_tie(module: nn.Sequential) -> tuple[str, int, int] | None:
-    """The shared parameter or buffer whose uses lie furthest apart: ``(name, first layer, last layer)``.
-
-    None when no layer shares state with another. Names are the Sequential's (``"0.weight"``).
-    """
-    seen: dict[int, tuple[str, int]] = {}
-    widest: tuple[str, int, int] | None = None
-    for index, (layer_name, layer) in enumerate(layers_of(module)):
-        items = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
-        for name, obj in items:
-            first = seen.setdefault(id(obj), (f"{layer_name}.{name}", index))
-            if first[1] != index and (widest is None or index - first[1] > widest[2] - widest[1]):
-                widest = (first[0], first[1], index)
-    return widest
-
-
 def check_module(module: object) -> nn.Sequential:
     """Return ``module`` if it is an ``nn.Sequential``; raise ``TypeError`` otherwise."""
     if not isinstance(module, nn.Sequential):

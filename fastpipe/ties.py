@@ -67,7 +67,7 @@ class Tie:
     reader_stage: int
     owner: Location
     readers: list[Location]
-    _seen: tuple[int, int, int] | None = field(default=None, repr=False)
+    _seen: tuple[int, int] | None = field(default=None, repr=False)
     _reader_version: int | None = field(default=None, repr=False)
 
     @property
@@ -86,7 +86,7 @@ class Tie:
     def refresh(self) -> bool:
         """Copy the owner's value into the reader's copy unless it is already current; True if copied."""
         src = self.source()
-        state = (src.data_ptr(), src._version, src.dtype.itemsize)
+        state = (src.data_ptr(), src._version)  # both move when the owner's value may have
         dst = self.copy()
         if state == self._seen and dst.dtype == src.dtype:
             return False
@@ -99,7 +99,7 @@ class Tie:
                 fresh = src.detach().to(dst.device, copy=True)
                 for module, key, _ in self.readers:
                     module._buffers[key] = fresh
-        self._seen = (src.data_ptr(), src._version, src.dtype.itemsize)
+        self._seen = state
         self._reader_version = self.copy()._version
         return True
 
@@ -120,6 +120,7 @@ class TiedWeights:
 
     def __init__(self, ties: Sequence[Tie], stage_params: Sequence[Sequence[Tensor]]) -> None:
         self.ties = list(ties)
+        self._params = stage_params
         self._slots: list[tuple[int, int, int, int]] = []  # (reader stage, index, owner stage, index)
         for tie in self.ties:
             if not tie.is_parameter:
@@ -157,15 +158,9 @@ class TiedWeights:
                 continue
             grads[reader_stage][reader] = None
             mine = grads[owner_stage][owner]
-            g = g.to(mine.device if mine is not None else self._owner_device(owner_stage, owner))
+            g = g.to(self._params[owner_stage][owner].device)
             grads[owner_stage][owner] = g if mine is None else mine + g
         return grads
-
-    def _owner_device(self, stage: int, index: int) -> torch.device:
-        for tie in self.ties:
-            if tie.owner_stage == stage and tie.is_parameter:
-                return tie.source().device
-        raise AssertionError(f"no tie owned by stage {stage}")  # pragma: no cover
 
 
 def _index(params: Sequence[Tensor], tensor: Tensor) -> int | None:
