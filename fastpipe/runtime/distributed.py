@@ -125,15 +125,19 @@ class DistributedRuntime:
         self._check_same_transport()
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        routes = share_skip_routes(self.stages, num_stages, self.control_group)  # fastpipe.skips
+        # Skips are edges of the dataflow: an order-matched transport plans their messages too.
+        self.skip_edges = tuple((p, c) for p, sk in enumerate(routes) for c, _ in sk.sends)
         self.transport: P2PTransport
         if self.ordered:
             if self.side_group is None:
                 self.side_group = self._gloo_side_group()
             self.transport = OrderedTransport(self.group, self.side_group, num_stages, self.watchdog, device)
+            self.transport.use_skips(routes)
             self.transport.connect()
         else:
             self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
-        self.transport.use_skips(share_skip_routes(self.stages, num_stages, self.control_group))  # fastpipe.skips
+            self.transport.use_skips(routes)
         self._plans: dict[Schedule, list[Step]] = {}
         self.bucket_bytes = bucket_bytes
         self.recorder = recorder
@@ -144,18 +148,20 @@ class DistributedRuntime:
         until = time.perf_counter() if until is None else until
         if self.recorder is None or not messages or until - since < _SHOWN_WAIT:  # tracing is off, or no wait
             return
-        first = messages[0]
-        self.recorder(self.rank, f"{first.stage}RECV_{first.kind}{first.microbatch}", since, until)
+        first = messages[0]  # a skip arrives for the forward ("S") or the backward ("SB") of its stage
+        kind = "F" if first.kind in ("F", "S") else "B"
+        self.recorder(self.rank, f"{first.stage}RECV_{kind}{first.microbatch}", since, until)
 
     def _plan(self, schedule: Schedule) -> list[Step]:
         """This rank's posts and actions for an ordered transport; refuses schedules that could deadlock."""
         steps = self._plans.get(schedule)
         if steps is None:
+            dataflow = schedule.with_skips(self.skip_edges)
             try:
-                check_ordered(schedule)
+                check_ordered(dataflow)
             except ScheduleError as exc:
                 raise ValueError(f"fastpipe: {exc}") from None
-            steps = self._plans[schedule] = plan(schedule, self.rank)
+            steps = self._plans[schedule] = plan(dataflow, self.rank)
         return steps
 
     def _gloo_side_group(self) -> Any:

@@ -32,9 +32,8 @@ from fastpipe.errors import PipelineError
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
-from fastpipe.runtime.wire import ACT, GRAD, describe, pack, payload_sizes, tensors_from
-from fastpipe.schedule.ordered import Op
-from fastpipe.skips import StageSkips
+from fastpipe.runtime.wire import ACT, GRAD, describe, pack, payload_sizes, skip_grad_kind, skip_kind, tensors_from
+from fastpipe.schedule.ordered import Message, Op
 
 __all__ = ["OrderedTransport"]
 
@@ -78,12 +77,13 @@ class OrderedTransport(P2PTransport):
         them, and may block the host there until the peer arrives; doing it here, on every
         rank at once, keeps that out of the first step (as ``torch.distributed.pipelining``
         does for its neighbours). Stages s and s+1 sit on ranks r and r+1 (mod the group's
-        size), so the ring's neighbours are all the pairs that ever talk.
+        size), so the ring's neighbours and the ranks that skips join (call
+        :meth:`use_skips` first) are all the pairs that ever talk.
         """
         if self.size == 1:
             return
         ops: list[dist.P2POp] = []
-        for peer in sorted({(self.rank + 1) % self.size, (self.rank - 1) % self.size}):
+        for peer in sorted({(self.rank + 1) % self.size, (self.rank - 1) % self.size} | self._skip_peers()):
             g = self._global(peer)
             ops.append(
                 dist.P2POp(
@@ -103,17 +103,11 @@ class OrderedTransport(P2PTransport):
             else:
                 self.watchdog.wait(work, "the connection handshake", "a neighbour rank")
 
-    def use_skips(self, skips: Sequence[StageSkips]) -> None:
-        """Refuse skips between ranks: the round plan (:mod:`fastpipe.schedule.ordered`) has no messages for them."""
-        crossing = [(p, c) for p, sk in enumerate(skips) for c, _ in sk.sends if self.owner(p) != self.owner(c)]
-        if crossing:
-            p, c = crossing[0]
-            raise ValueError(
-                f"fastpipe: a skip goes from stage {p} to stage {c} on another rank, and the order-matched "
-                "transport (NCCL, or FASTPIPE_P2P=ordered) does not carry skips between ranks; use the "
-                "tag-matched transport (gloo), or a balance that keeps each stash on its pop's rank"
-            )
-        super().use_skips(skips)
+    def _skip_peers(self) -> set[int]:
+        """The group ranks this rank's skips go to or come from (the relation is symmetric)."""
+        stages = [c for sk in self.skips.values() for c, _ in sk.sends]
+        stages += [p for sk in self.skips.values() for p, _ in sk.receives]
+        return {self.owner(s) for s in stages} - {self.rank}
 
     # -- sending: the header now, the payload with the next batch -------------------------
 
@@ -142,7 +136,7 @@ class OrderedTransport(P2PTransport):
         receiving: list[tuple[tuple[int, int, int], int]] = []  # (key, index into p2p) per receive buffer
         sending: list[Tensor] = []
         for op in ops:
-            key = (ACT if op.message.kind == "F" else GRAD, op.message.stage, op.message.microbatch)
+            key = _wire_key(op.message)
             if op.send:
                 payload = self._outbox.pop(key, None)
                 if payload is None:
@@ -228,6 +222,14 @@ class OrderedTransport(P2PTransport):
         super().close()
         self._payload_sends.close()
         self._payload_recvs.close()
+
+
+def _wire_key(msg: Message) -> tuple[int, int, int]:
+    """The transport's ``(kind, stage, micro-batch)`` key of a plan's message (see :mod:`fastpipe.runtime.wire`)."""
+    kind = {"F": ACT, "B": GRAD}.get(msg.kind)
+    if kind is None:
+        kind = skip_kind(msg.peer) if msg.kind == "S" else skip_grad_kind(msg.peer)
+    return kind, msg.stage, msg.microbatch
 
 
 class _AllOf:

@@ -104,6 +104,11 @@ class Schedule:
         flush: in a stream, whether each stage's forwards of mini-batch ``n + 1`` wait for its
             update of mini-batch ``n`` (synchronous training); False lets them run on older
             weights (asynchronous).
+        skips: the ``(producer, consumer)`` stage pairs of the model's skips
+            (:mod:`fastpipe.skips`), sorted: ``F(c, m)`` also reads what ``F(p, m)`` stashed,
+            and ``B(p, m)`` also reads the gradient ``B(c, m)`` computed for it. Both already
+            follow from the stage-to-stage edges, so only the messages they add change: a
+            transport that matches messages by order plans them (:mod:`fastpipe.schedule.ordered`).
     """
 
     name: str
@@ -113,6 +118,7 @@ class Schedule:
     workers: tuple[tuple[Action, ...], ...]
     minibatch_size: int = 0
     flush: bool = True
+    skips: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_minibatches(self) -> int:
@@ -210,6 +216,7 @@ class Schedule:
         if len(self.workers) != self.num_workers:
             raise ScheduleError(f"{len(self.workers)} worker lists for num_workers={self.num_workers}")
         self._check_placement()
+        self._check_skips()
         self._check_completeness()
         self._check_deadlock()
 
@@ -235,6 +242,25 @@ class Schedule:
                     f"{action} is on worker {worker} but stage {action.stage} lives on worker "
                     f"{self.worker_of(action.stage)}"
                 )
+
+    def _check_skips(self) -> None:
+        for p, c in self.skips:
+            if not 0 <= p < c < self.num_stages:
+                raise ScheduleError(
+                    f"skip edge ({p}, {c}): a skip goes from a stage to a later one, within 0..{self.num_stages - 1}"
+                )
+        if list(self.skips) != sorted(set(self.skips)):
+            raise ScheduleError(f"skip edges {self.skips} must be sorted and unique (use Schedule.with_skips)")
+
+    def with_skips(self, edges: Iterable[tuple[int, int]]) -> Schedule:
+        """The same schedule whose dataflow also holds the skip ``edges`` (``(producer, consumer)`` pairs).
+
+        Raises:
+            ScheduleError: an edge that does not go forward between the schedule's stages.
+        """
+        out = dataclasses.replace(self, skips=tuple(sorted({(int(p), int(c)) for p, c in edges})))
+        out._check_skips()
+        return out
 
     def _check_completeness(self) -> None:
         counts = Counter(action for _, action in self.actions())
@@ -336,6 +362,8 @@ class Schedule:
                 f" in {self.num_minibatches} mini-batches of {self.minibatch_size}, "
                 f"{'flushed' if self.flush else 'no flush'}"
             )
+        if self.skips:
+            head += ", skips " + ", ".join(f"{p}->{c}" for p, c in self.skips)
         lines = [head, "slot      " + " ".join(f"{i:>{width}}" for i in range(slots))]
         for w, row in enumerate(cells):
             lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))

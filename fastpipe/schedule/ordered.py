@@ -9,7 +9,8 @@ ranks swap values (each waits in a send for a receive queued behind the other's 
 in each round every worker runs its next action if it already has the inputs, then posts
 one batch (``batch_isend_irecv``) that sends what that action produced and receives what
 was produced for it in the round (1F1B, 2 stages, :func:`format_plan`; ``s``/``r`` send or
-receive the activation ``F`` or gradient ``B`` entering a stage, for a micro-batch)::
+receive the activation ``F`` or gradient ``B`` entering a stage, for a micro-batch; skips of
+:mod:`fastpipe.skips` add ``S`` and ``SB`` messages, see :class:`Message`)::
 
     worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 0F2 [sF1/2] [rB0/1] 0BW1 ...
     worker 1: [rF1/0] 1F0 [rF1/1] 1BW0 [sB0/0] 1F1 1BW1 [sB0/1,rF1/2] 1F2 1BW2 ...
@@ -44,11 +45,18 @@ __all__ = ["Message", "Op", "Step", "batches", "check_ordered", "format_plan", "
 
 @dataclass(frozen=True)
 class Message:
-    """One value crossing workers: ``kind`` "F" (activation into ``stage``) or "B" (gradient into ``stage``)."""
+    """One value crossing workers, into ``stage``.
+
+    ``kind`` is "F" (the activation into ``stage``), "B" (the gradient into ``stage``),
+    "S" (the tensors stage ``peer`` stashed for ``stage``, a skip's consumer) or "SB" (the
+    gradients of what ``stage`` stashed, from the consumer ``peer``); ``peer`` is -1 for
+    "F" and "B".
+    """
 
     kind: str
     stage: int
     microbatch: int
+    peer: int = -1
 
 
 @dataclass(frozen=True)
@@ -70,23 +78,42 @@ class Step:
 
 
 def inputs(schedule: Schedule, action: Action) -> list[Message]:
-    """The values ``action`` receives from another worker."""
+    """The values ``action`` receives from another worker (its skips' first, as they are sent)."""
     s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
-    if action.kind == "F" and s > 0 and schedule.crosses(s - 1, s):
-        return [Message("F", s, m)]
-    if action.kind in ("B", "BW") and s < last and schedule.crosses(s, s + 1):
-        return [Message("B", s, m)]
+    if action.kind == "F":
+        skips = [Message("S", s, m, p) for p, c in schedule.skips if c == s and schedule.crosses(p, s)]
+        return skips + ([Message("F", s, m)] if s > 0 and schedule.crosses(s - 1, s) else [])
+    if action.kind in ("B", "BW"):
+        grads = [Message("SB", s, m, c) for p, c in schedule.skips if p == s and schedule.crosses(s, c)]
+        return grads + ([Message("B", s, m)] if s < last and schedule.crosses(s, s + 1) else [])
     return []
 
 
 def outputs(schedule: Schedule, action: Action) -> list[tuple[Message, int]]:
-    """The values ``action`` sends to another worker, with that worker."""
+    """The values ``action`` sends to another worker, with that worker.
+
+    A stage sends its skips before its activation, and the gradients of the skips it
+    received before its input gradient (the order :mod:`fastpipe.runtime.skip_flow` sends in).
+    """
     s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
-    if action.kind == "F" and s < last and schedule.crosses(s, s + 1):
-        return [(Message("F", s + 1, m), schedule.worker_of(s + 1))]
-    if action.kind in ("B", "BW") and s > 0 and schedule.crosses(s - 1, s):
-        return [(Message("B", s - 1, m), schedule.worker_of(s - 1))]
-    return []
+    out: list[tuple[Message, int]] = []
+    if action.kind == "F":
+        out += [
+            (Message("S", c, m, s), schedule.worker_of(c))
+            for p, c in schedule.skips
+            if p == s and schedule.crosses(s, c)
+        ]
+        if s < last and schedule.crosses(s, s + 1):
+            out.append((Message("F", s + 1, m), schedule.worker_of(s + 1)))
+    elif action.kind in ("B", "BW"):
+        out += [
+            (Message("SB", p, m, s), schedule.worker_of(p))
+            for p, c in schedule.skips
+            if c == s and schedule.crosses(p, s)
+        ]
+        if s > 0 and schedule.crosses(s - 1, s):
+            out.append((Message("B", s - 1, m), schedule.worker_of(s - 1)))
+    return out
 
 
 def plan(schedule: Schedule, worker: int) -> list[Step]:
@@ -130,7 +157,7 @@ def format_plan(schedule: Schedule) -> str:
     """
 
     def op(o: Op) -> str:
-        return f"{'s' if o.send else 'r'}{o.message.kind}{o.message.stage}/{o.message.microbatch}"
+        return f"{'s' if o.send else 'r'}{_text(o.message)}"
 
     return "\n".join(
         f"worker {w}: "
@@ -242,7 +269,18 @@ def _name(messages: list[Message], i: int) -> str:
     if i >= len(messages):
         return "nothing"
     msg = messages[i]
+    if msg.kind == "S":
+        return f"the skips from stage {msg.peer} for stage {msg.stage}, micro-batch {msg.microbatch}"
+    if msg.kind == "SB":
+        return f"the gradient of the skips from stage {msg.stage} to stage {msg.peer}, micro-batch {msg.microbatch}"
     return f"the {'activation' if msg.kind == 'F' else 'gradient'} of stage {msg.stage}, micro-batch {msg.microbatch}"
+
+
+def _text(msg: Message) -> str:
+    """``F1/0``, ``B0/2``; a skip from stage 0 into stage 2 ``S0>2/1``, its gradient back ``SB2>0/1``."""
+    if msg.kind in ("S", "SB"):
+        return f"{msg.kind}{msg.peer}>{msg.stage}/{msg.microbatch}"
+    return f"{msg.kind}{msg.stage}/{msg.microbatch}"
 
 
 def _check_progress(schedule: Schedule, programs: list[list[Step]]) -> None:
@@ -308,5 +346,5 @@ def _stuck(w: int, program: list[Step], pc: int, stream: list[tuple[Op, ...]], f
 
 
 def _op_text(op: Op) -> str:
-    what = f"{op.message.kind}{op.message.stage}/{op.message.microbatch}"
+    what = _text(op.message)
     return f"send {what} to worker {op.dst}" if op.send else f"receive {what} from worker {op.src}"

@@ -6,6 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from fastpipe.schedule import SCHEDULES, Action, Schedule, ScheduleError, build
 from fastpipe.schedule.ordered import Op, Step, check_ordered, inputs, outputs, plan
@@ -136,3 +138,47 @@ def test_checker_rejects_a_send_before_its_producer_and_misplaced_ops() -> None:
     late = [st for st in programs[1] if st.action is not None or any(op.send for op in st.ops)]
     with pytest.raises(ScheduleError, match="before receiving"):
         check_ordered(s, [programs[0], late])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=hs.data())
+def test_plans_with_skips_carry_each_skip_once_and_are_safe(data: hs.DataObject) -> None:
+    name, k, m, v = data.draw(hs.sampled_from([c for c in _configs() if c[1] <= 4 and c[2] <= 6]))
+    s = build(name, k, m, virtual_stages=v)
+    pairs = [(p, c) for p in range(s.num_stages) for c in range(p + 1, s.num_stages)]
+    edges = data.draw(hs.lists(hs.sampled_from(pairs), max_size=4, unique=True)) if pairs else []
+    s = s.with_skips(edges)
+    check_ordered(s)
+    crossing = [(p, c) for p, c in s.skips if s.crosses(p, c)]
+    for w in range(k):
+        received: set = set()
+        for step in plan(s, w):
+            if step.action is None:
+                received.update(op.message for op in step.ops if not op.send)
+            else:  # every skip (or skip gradient) an action reads has come before it runs
+                assert set(inputs(s, step.action)) <= received
+    sent = Counter(op.message for w in range(k) for step in plan(s, w) for op in step.ops if op.send)
+    skips = Counter(msg for msg in sent if msg.kind in ("S", "SB"))
+    assert sum(skips.values()) == 2 * m * len(crossing) and set(skips.values()) <= {1}
+
+
+def test_a_plan_without_the_skip_messages_is_refused() -> None:
+    s = build("1f1b", 3, 4).with_skips([(0, 2)])
+    stripped = [
+        [
+            Step(ops=tuple(op for op in st.ops if op.message.kind in ("F", "B"))) if st.action is None else st
+            for st in plan(s, w)
+        ]
+        for w in range(3)
+    ]
+    with pytest.raises(ScheduleError, match="before receiving the (gradient of the )?skips from stage 0"):
+        check_ordered(s, stripped)
+
+
+def test_skip_edges_must_go_forward_between_stages() -> None:
+    s = build("gpipe", 2, 2)
+    for bad in ([(1, 0)], [(0, 2)], [(1, 1)]):
+        with pytest.raises(ScheduleError, match="goes from a stage to a later one"):
+            s.with_skips(bad)
+    assert s.with_skips([(0, 1), (0, 1)]).skips == ((0, 1),)
+    assert "skips 0->1" in str(s.with_skips([(0, 1)]))

@@ -7,6 +7,7 @@ and the plain model's within rounding.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
 from _unet import K, unet
@@ -68,7 +69,10 @@ def _train(rank: int, world: int) -> list[str]:
     return problems
 
 
-def test_skips_between_ranks_give_the_one_process_numbers() -> None:
+@pytest.mark.parametrize("transport", ["tags", "ordered"])
+def test_skips_between_ranks_give_the_one_process_numbers(transport: str, monkeypatch) -> None:
+    if transport == "ordered":  # the order-matched transport of NCCL, run on gloo
+        monkeypatch.setenv("FASTPIPE_P2P", "ordered")  # inherited by the spawned ranks
     for rank, problems in enumerate(check_ok(run_ranks(_train, 2, timeout=120))):
         assert problems == [], f"rank {rank}: {problems}"
 
@@ -91,17 +95,33 @@ def test_a_bad_declaration_is_refused_on_every_rank() -> None:
         assert "layer '9' pops 'd3', but no layer stashes it" in message
 
 
-def _ordered(rank: int, world: int) -> str:
+def _three_ranks(rank: int, world: int) -> list[str]:
+    from fastpipe import Pipe
     from fastpipe.distributed_pipe import DistributedPipe
+    from fastpipe.runtime.wire import skip_kind
 
-    try:
-        DistributedPipe(unet(), [6, 5], chunks=2, timeout=20)
-    except ValueError as exc:
-        return str(exc)
-    return "built"
+    problems = []
+    for name in ("1f1b", "zb-h1"):
+        # d1 goes from rank 0 straight to rank 2, past rank 1; d2 from rank 1 to rank 2.
+        pipe = DistributedPipe(unet(), [3, 5, 3], chunks=3, schedule=name, timeout=20)
+        local = Pipe(unet(), [3, 5, 3], chunks=3, schedule=name)
+        sent = recorded(pipe.runtime.transport)
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(6, 6, generator=g), torch.randn(6, 3, generator=g)
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+        if not torch.equal(loss, local.train_step(x, y, nn.MSELoss())):
+            problems.append(f"{name}: loss differs from the local Pipe")
+        ref = dict(local.named_parameters())
+        problems += [f"{name}: grad of {n}" for n, p in pipe.named_parameters() if not torch.equal(p.grad, ref[n].grad)]
+        skips = sorted({(k, s) for k, s, _ in sent if k >= 2})
+        want = {0: [(skip_kind(0), 2)], 1: [(skip_kind(1), 2)], 2: [(3 + 2 * 2, 0), (3 + 2 * 2, 1)]}[rank]
+        if skips != want:
+            problems.append(f"{name}: rank {rank} sent skip values {skips}, expected {want}")
+        pipe.close()
+    return problems
 
 
-def test_the_order_matched_transport_refuses_skips_between_ranks(monkeypatch) -> None:
-    monkeypatch.setenv("FASTPIPE_P2P", "ordered")  # inherited by the spawned ranks
-    for message in check_ok(run_ranks(_ordered, 2, timeout=60)):
-        assert "goes from stage 0 to stage 1 on another rank" in message and "tag-matched" in message
+def test_the_order_matched_transport_carries_skips_past_a_rank(monkeypatch) -> None:
+    monkeypatch.setenv("FASTPIPE_P2P", "ordered")
+    for rank, problems in enumerate(check_ok(run_ranks(_three_ranks, 3, timeout=120))):
+        assert problems == [], f"rank {rank}: {problems}"
