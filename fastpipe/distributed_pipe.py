@@ -377,8 +377,9 @@ class DistributedPipe(nn.Module):
         Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
         reads the inputs, the last rank the targets) and its optimizer over its parameters;
         every rank yields the same losses. With data parallelism each stage's update averages
-        its gradient over the replicas first. It takes no side inputs, and refuses tied weights
-        across stages (each stage updates on its own, so the copies would drift).
+        its gradient over the replicas first. A batch may carry side inputs as a third item
+        (every rank's, as for :meth:`train_step`). It refuses tied weights across stages
+        (each stage updates on its own, so the copies would drift).
         """
         return DistributedFitRun(
             self,

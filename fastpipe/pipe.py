@@ -352,7 +352,7 @@ class Pipe(nn.Module):
         (``run.steps % window == 0``). See docs/async.md, also for deferred BatchNorm.
 
         Args:
-            batches: an iterable of ``(input, target)``, e.g. a DataLoader.
+            batches: an iterable of ``(input, target)`` or ``(input, target, side_inputs)``.
             loss_fn: as for :meth:`train_step`.
             optimizer: one optimizer over the pipe's parameters; stage s steps it with only
                 its own gradients, right after its last backward of each mini-batch.

@@ -74,24 +74,24 @@ class DistributedFitRun(FitRun):
             assert window is not None
             if last:
                 return window
-            return Window(n, m, seed, window.inputs, [None] * (n * m), sizes_list, window.factors)
+            return Window(n, m, seed, window.inputs, [None] * (n * m), sizes_list, window.factors, window.side)
         targets: list[Any] = []
+        side: list[dict[str, Any]] = []
         try:
-            for _ in range(n):
+            for j in range(n):
                 item = next(self._it, None)
                 if item is None:
                     raise ValueError(
                         f"fastpipe: rank {runtime.global_rank}'s batches ran out before stage 0's; "
                         "every rank must iterate as many mini-batches (e.g. the same DataLoader)"
                     )
+                mine = sizes_list[j * m : (j + 1) * m]
                 if last:
-                    _, ts, got = self._split(item, need_input=False)
-                    if got != sizes_list[len(targets) : len(targets) + m]:
-                        raise ValueError(
-                            f"fastpipe: target micro-batch sizes {got} differ from the input's "
-                            f"{sizes_list[len(targets) : len(targets) + m]}"
-                        )
+                    _, ts, got, _ = self._split(item, need_input=False)
+                    if got != mine:
+                        raise ValueError(f"fastpipe: target micro-batch sizes {got} differ from the input's {mine}")
                     targets += ts
+                side += self._split_side(self._unpack(item)[2], mine)
             if not last:
                 targets = [None] * (n * m)
             factors = [
@@ -102,7 +102,7 @@ class DistributedFitRun(FitRun):
         except BaseException as exc:
             self._fail(exc)
             raise
-        return Window(n, m, seed, [], targets, sizes_list, factors)
+        return Window(n, m, seed, [], targets, sizes_list, factors, side if any(side) else [])
 
     def _execute(self, schedule: Schedule, window: Window, make_runner: RunnerFactory) -> list[Tensor]:
         runtime, pipe = self.runtime, cast(Any, self.pipe)
@@ -124,6 +124,7 @@ class DistributedFitRun(FitRun):
             caller=CallerState.capture(),
             step_seed=window.seed,
             runner_factory=factory,
+            side=window.side,
         )
         buf = torch.zeros(window.minibatches, dtype=torch.float64)
         dtype = torch.get_default_dtype()

@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -33,6 +33,7 @@ from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
+from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import checkpoint_predicate, microbatch_loss, microbatch_weights, split_targets
 
 __all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
@@ -51,6 +52,7 @@ class Window:
     targets: list[Any]
     sizes: list[int]  # per micro-batch
     factors: list[float]
+    side: list[dict[str, Any]] = field(default_factory=list)  # per micro-batch, or none at all
 
     def losses(self, results: Mapping[int, Value]) -> list[Tensor]:
         """Each mini-batch's loss from the last stage's per-micro-batch losses."""
@@ -60,6 +62,15 @@ class Window:
                 torch.stack([self.factors[i] * cast(Tensor, results[i]) for i in range(j * m, (j + 1) * m)]).sum()
                 for j in range(self.minibatches)
             ]
+
+
+Split = tuple[list[Value], list[Any], list[int], list[dict[str, Any]]]  # one mini-batch's
+
+
+def _side_of(group: Sequence[Split]) -> list[dict[str, Any]]:
+    """The window's side inputs per micro-batch; none at all when no mini-batch has any."""
+    side = [mb for *_, sd in group for mb in sd]
+    return side if any(side) else []
 
 
 class FitRun(Iterator[Tensor]):
@@ -151,7 +162,13 @@ class FitRun(Iterator[Tensor]):
         # Per stage, spare weight copies reused window after window (see asynchronous.weights).
         self._pools: dict[int, list[list[Tensor]]] = {s: [] for s in self.stages}
         self._it = iter(batches)
-        self._held: tuple[list[Value], list[Any], list[int]] | None = None
+        self._held: Split | None = None
+        # The side inputs that some layer takes: a local pipe's own, every rank's for a distributed one.
+        self.side_names: list[str] = list(
+            dict.fromkeys(
+                getattr(pipe, "_side_names", None) or [n for st in self.stages.values() for n in st.side_names]
+            )
+        )
         self._pending: deque[Tensor] = deque()
         self._lock = threading.Lock()  # one stage steps the shared optimizer at a time
         self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -176,22 +193,41 @@ class FitRun(Iterator[Tensor]):
         """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step_rules.microbatch_weights`)."""
         return microbatch_weights(self.loss_fn, targets, sizes, "fit")
 
-    def _split(self, item: Any, need_input: bool = True) -> tuple[list[Value], list[Any], list[int]]:
-        """(micro-batches, targets, sizes) of one mini-batch."""
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise TypeError(f"fastpipe: fit expects batches of (input, target), got {type(item).__name__}")
-        x, y = item
+    def _split(self, item: Any, need_input: bool = True) -> Split:
+        """(micro-batches, targets, sizes, side inputs) of one mini-batch."""
+        x, y, side = self._unpack(item)
         if not need_input:  # the last rank of a DistributedPipe: the sizes come from the target
             targets = split_targets(y, self.chunks, None)
-            return [], targets, [batch_size(t, "target") for t in targets]
+            sizes = [batch_size(t, "target") for t in targets]
+            return [], targets, sizes, self._split_side(side, sizes)
         check_value(x, "input")
         mbs = scatter(x, self.chunks)
         sizes = [batch_size(v) for v in mbs]
-        return mbs, split_targets(y, self.chunks, sizes), sizes
+        return mbs, split_targets(y, self.chunks, sizes), sizes, self._split_side(side, sizes)
+
+    def _unpack(self, item: Any) -> tuple[Any, Any, Mapping[str, Any]]:
+        """``(input, target)`` or ``(input, target, side_inputs)`` (a mapping, as ``train_step``'s keywords)."""
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise TypeError(
+                f"fastpipe: fit expects batches of (input, target) or (input, target, side_inputs), got "
+                f"{type(item).__name__}{f' of {len(item)} items' if isinstance(item, (tuple, list)) else ''}"
+            )
+        side = item[2] if len(item) == 3 else {}
+        if not isinstance(side, Mapping) or not all(isinstance(k, str) for k in side):
+            raise TypeError(
+                "fastpipe: the third item of a fit batch holds the side inputs by name, e.g. "
+                f"{{'attention_mask': mask}}; got {type(side).__name__}"
+            )
+        check_side_inputs(self.side_names, side)
+        return item[0], item[1], side
+
+    def _split_side(self, side: Mapping[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
+        """Each micro-batch's side inputs, split like the input (see :mod:`fastpipe.side_inputs`)."""
+        return split_side_inputs(dict(side), sum(sizes), self.chunks, len(sizes)) if side else [{} for _ in sizes]
 
     def _gather(self) -> Window | None:
         """The next window's mini-batches: as many as ``window`` with the same number of micro-batches."""
-        group: list[tuple[list[Value], list[Any], list[int]]] = []
+        group: list[Split] = []
         while len(group) < self.window:
             if self._held is not None:
                 item, self._held = self._held, None
@@ -210,10 +246,11 @@ class FitRun(Iterator[Tensor]):
             len(group),
             len(group[0][0]),
             draw_step_seed(),
-            [v for mbs, _, _ in group for v in mbs],
-            [t for _, ts, _ in group for t in ts],
-            [n for _, _, sz in group for n in sz],
-            [f for _, ts, sz in group for f in self._factors(ts, sz)],
+            [v for mbs, *_ in group for v in mbs],
+            [t for _, ts, *_ in group for t in ts],
+            [n for _, _, sz, _ in group for n in sz],
+            [f for _, ts, sz, _ in group for f in self._factors(ts, sz)],
+            _side_of(group),
         )
 
     def _lr_table(self, n: int) -> list[list[float]]:
@@ -293,7 +330,10 @@ class FitRun(Iterator[Tensor]):
         pipe: Any = self.pipe
         runtime = pipe.runtime
         runner = make_runner(
-            self.stages, self.num_stages, runtime.transport(), StepState(schedule, CallerState.capture(), window.seed)
+            self.stages,
+            self.num_stages,
+            runtime.transport(),
+            StepState(schedule, CallerState.capture(), window.seed, window.side),
         )
         pipe.last_timeline = runtime.start_timeline(pipe.trace if self.trace is None else self.trace, self.num_stages)
         runner.feed(window.inputs)

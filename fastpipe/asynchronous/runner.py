@@ -122,12 +122,14 @@ class MultistepRunner(StepRunner):
         module = self._modules[s]
         module.tensors = self.weights[s].tensors(m)
         try:
-            if (s != self.last or self.loss is None) and (s, m) not in self.skip_flow.stores:
+            one_by_one = (s, m) in self.skip_flow.stores or bool(self.state.side)
+            if (s != self.last or self.loss is None) and not one_by_one:
                 return super()._run_module(s, m, inputs)
             # The loss may read the last stage's parameters too (an LM head's projection in
-            # kernels.linear_cross_entropy), and a stage with skips runs its layers one by one
-            # (fastpipe.skips), past _OnVersion: bind them to the version as well, or the loss
-            # would see the live weights and their gradient would never reach the update.
+            # kernels.linear_cross_entropy), and a stage with skips or side inputs runs its
+            # layers one by one (fastpipe.skips, fastpipe.side_inputs), past _OnVersion: bind
+            # them to the version as well, or the loss would see the live weights and their
+            # gradient would never reach the update.
             bound = {f"inner.{n}": t for n, t in zip(module.names, module.tensors)}
             run = functools.partial(StepRunner._run_module, self, s, m, inputs)
             return functional_call(_Bound(module.inner), bound, (run,), strict=False)
