@@ -16,6 +16,7 @@ __all__ = ["write_report", "REPORT_KEYS"]
 REPORT_KEYS = (
     "settings",
     "steps",
+    "start_step",
     "history",
     "val_loss",
     "unigram_entropy",
@@ -90,6 +91,7 @@ def write_report(
     report = {
         "settings": settings,
         "steps": len(history),
+        "start_step": start_step,  # the saved step a resumed run continued from; 0: from scratch
         "history": history,
         "val_loss": val_loss,
         "unigram_entropy": unigram,
