@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from test_train_cli import TINY
 
 from fastpipe.cli import main
+from fastpipe.train.ranks import join, launched_by_torchrun
 from fastpipe.train.run import KILL_AT_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +74,23 @@ def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     assert not differ, f"not bitwise equal: {differ}"
 
 
+@pytest.mark.parametrize(
+    "world, data_parallel, stages, message",
+    [
+        ("3", 2, None, "--data-parallel 2 does not divide the 3 torchrun processes"),
+        ("4", 2, 4, "--stages 4 with 4 torchrun processes and --data-parallel 2: each pipeline has 2 ranks"),
+    ],
+)
+def test_torchrun_world_that_does_not_cut_is_refused(
+    monkeypatch: pytest.MonkeyPatch, world: str, data_parallel: int, stages: int | None, message: str
+) -> None:
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", world), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    assert launched_by_torchrun()
+    with pytest.raises(ValueError, match=message):
+        join(data_parallel, stages)  # refused before any process group starts
+
+
 def test_torchrun_1f1b_equals_one_process(tmp_path: Path) -> None:
     flags = ["--steps", "3", "--dropout", "0.1", "--schedule", "1f1b"]
     two = tmp_path / "two"
@@ -113,3 +132,18 @@ def test_torchrun_restart_resumes_bit_for_bit(tmp_path: Path, schedule: list[str
     assert whole["start_step"] == 0  # an empty --save folder: --resume auto starts afresh
     assert resumed["history"] == whole["history"]
     _assert_bitwise(_weights(ckpt, 6), _weights(ref, 6))
+
+
+def test_torchrun_data_parallel_matches_the_whole_batch(tmp_path: Path) -> None:
+    # 2 stages x 2 replicas: each replica trains on half of every batch and the stages average
+    # their gradients over the replicas. The one-process run on the whole batch with twice the
+    # micro-batches has micro-batches of the same rows; the gradient sums group differently.
+    flags = ["--steps", "3", "--schedule", "1f1b"]
+    four = tmp_path / "four"
+    _torchrun(four, *flags, "--data-parallel", "2", ranks=4)
+    replicated = json.loads((four / "report.json").read_text())
+    one = _one_process(tmp_path / "one", *flags, "--chunks", "4")
+    assert replicated["settings"]["data_parallel"] == 2 and replicated["devices"] == ["cpu", "cpu"]
+    # The loss's longest reduction: the last Linear's rows times the tokens of a micro-batch.
+    k = 32 * 2 * 32
+    assert_close_reordered(torch.tensor(replicated["history"]), torch.tensor(one["history"]), k=k)
