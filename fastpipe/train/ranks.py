@@ -123,7 +123,14 @@ def join(data_parallel: int, stages: int | None) -> Ranks:
         backend = "gloo"
         torch.set_num_threads(1)  # the host's processes share its cores
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        store, _, _ = next(dist.rendezvous("env://"))
+        # torchrun's restarts reuse its agent's store, where the last attempt's keys remain: a
+        # rank that read a dead peer's gloo address from them would fail to connect. Each
+        # attempt keeps its keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"fastpipe-train/attempt-{attempt}", store), rank=rank, world_size=world
+        )
     pipeline: Any = dist.group.WORLD
     replicas_group: Any = None
     if data_parallel > 1:

@@ -10,6 +10,11 @@ Both are written atomically (temporary file, fsync, rename) and ``run.pt`` goes 
 killed at any moment leaves ``run.pt`` naming a complete model file, the previous one or the
 new one. Older model files are removed only after the new record is in place. Nothing else
 needs saving: the data of step ``n`` and the learning rate are functions of ``n``.
+
+Under torchrun every rank calls :func:`save_run` and :func:`load_run`: ``fastpipe.save``
+gathers the stages to rank 0, which writes both files, and every rank reads them back, so
+the folder must be one that every host sees. The run reads and writes its saves through
+:func:`has_run`, :func:`save_run` and :func:`load_run` alone.
 """
 
 from __future__ import annotations

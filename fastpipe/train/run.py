@@ -36,7 +36,7 @@ from fastpipe.train.job import Job, build_job, lr_at
 from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses
 from fastpipe.train.measure import evaluate_and_sample, profile
 from fastpipe.train.options import CURVE_KEYS, RESUME_AUTO, TrainError, add_arguments
-from fastpipe.train.ranks import join, launched_by_torchrun, leave
+from fastpipe.train.ranks import Ranks, join, launched_by_torchrun, leave
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, has_run, load_run, save_run
 from fastpipe.train.textdata import unigram_entropy
@@ -187,7 +187,17 @@ def _run(job: Job) -> dict[str, Any]:
         },
         devices=devices,
         parameters=parameters,
+        torchrun=None if job.ranks is None else _launch(job.ranks),
     )
+
+
+def _launch(ranks: Ranks) -> dict[str, int]:
+    """Where a torchrun job ran; ``restart`` counts the group's restarts before this attempt."""
+    return {
+        "world": ranks.world,
+        "data_parallel": ranks.replicas,
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -100,6 +100,7 @@ def test_torchrun_1f1b_equals_one_process(tmp_path: Path) -> None:
     assert ranks["history"] == one["history"]  # bitwise: the same arithmetic on each stage
     assert ranks["val_loss"] == one["val_loss"]
     assert ranks["devices"] == ["cpu", "cpu"] and ranks["parameters"] == one["parameters"]
+    assert ranks["torchrun"] == {"world": 2, "data_parallel": 1, "restart": 0} and one["torchrun"] is None
     assert len(ranks["memory"]["activation_bytes_per_stage"]) == 2
     assert {e["tid"] for e in json.loads((two / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"} == {
         0,
@@ -127,6 +128,7 @@ def test_torchrun_restart_resumes_bit_for_bit(tmp_path: Path, schedule: list[str
     assert (out / ".killed-at-step-3").read_text() == f"rank {kill_rank}\n"  # it died once
     resumed = json.loads((out / "report.json").read_text())
     assert resumed["start_step"] == 2  # the restarted group continued from the newest save
+    assert resumed["torchrun"] == {"world": 2, "data_parallel": 1, "restart": 1}  # one restart: the kill's
     ref = tmp_path / "ref"
     whole = _one_process(tmp_path / "one", *flags, "--save", str(ref))
     assert whole["start_step"] == 0  # an empty --save folder: --resume auto starts afresh
