@@ -60,11 +60,16 @@ def _one_process(out: Path, *flags: str) -> dict:
 
 
 def _weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
+    """A save's parameters, AdamW state and RNG state (the stream of the dropout seeds)."""
     saved = torch.load(folder / f"model-{step:06d}.pt", weights_only=False)
-    return {f"model.{k}": v for k, v in saved["model"].items()} | {
-        f"optimizer.{name}.{key}": value
-        for name, state in saved["optimizer"]["state"].items()
-        for key, value in state.items()
+    return {
+        "rng": saved["rng"],
+        **{f"model.{k}": v for k, v in saved["model"].items()},
+        **{
+            f"optimizer.{name}.{key}": value
+            for name, state in saved["optimizer"]["state"].items()
+            for key, value in state.items()
+        },
     }
 
 
