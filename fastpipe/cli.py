@@ -5,6 +5,7 @@ Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
     fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
     fastpipe plan --model mymodels:build --sample-shape 256,512 --partitions 4 --microbatches 8
     fastpipe train --schedule 1f1b --steps 300
+    torchrun --nproc-per-node 2 -m fastpipe train --save ckpt --resume auto   # one process per stage
     fastpipe bench --quick --only e2e,schedules --out bench-out
 
 With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="train a character-level GPT on the standard library's sources through Pipe",
-        description="Train a character-level GPT on Python's standard library through fastpipe.Pipe.",
+        description="Train a character-level GPT on Python's standard library through fastpipe.Pipe; "
+        "under torchrun, one DistributedPipe stage per process.",
         formatter_class=_HelpFormatter,
     )
     from fastpipe.train import add_arguments as add_train_arguments

@@ -26,7 +26,7 @@ from fastpipe.trace import Timeline
 __all__ = ["Batches", "StepRunner", "fit_losses", "step_scheduler", "sync_losses", "traced_window"]
 
 StepRunner = Callable[..., Tensor]  # (pipe, x, y, loss_fn, trace) -> loss; see fastpipe.train.options
-Batches = Iterable[tuple[Tensor, Tensor]]
+Batches = Iterable[tuple[Tensor | None, Tensor | None]]  # None: not this rank's (DistributedPipe)
 
 
 def sync_losses(

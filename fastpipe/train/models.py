@@ -53,7 +53,8 @@ class TrainModel:
         settings: the model's shape, saved with a checkpoint (a resumed run must keep it).
         targets: ``targets(x, y)``, what the loss takes as its target from a batch of inputs
             ``x`` and next characters ``y``.
-        make_loss: ``make_loss(pipe)``, the ``loss_fn(output, target)`` of ``train_step``.
+        make_loss: ``make_loss(pipe)``, the ``loss_fn(output, target)`` of ``train_step``
+            (``pipe``: the Pipe, or the Sequential whose last layer a DistributedPipe holds).
         make_logits: ``make_logits(pipe)``, the logits of the last position's output (sampling).
     """
 
@@ -61,8 +62,8 @@ class TrainModel:
     tail: int
     settings: dict[str, Any]
     targets: Callable[[Tensor, Tensor], Tensor]
-    make_loss: Callable[[Pipe], Any]
-    make_logits: Callable[[Pipe], Callable[[Tensor], Tensor]]
+    make_loss: Callable[[Pipe | nn.Sequential], Any]
+    make_logits: Callable[[Pipe | nn.Sequential], Callable[[Tensor], Tensor]]
 
 
 def check_model(name: str) -> str | None:
@@ -91,7 +92,7 @@ def build_model(args: argparse.Namespace) -> TrainModel:
     )
 
 
-def _head(pipe: Pipe) -> LMHead:
+def _head(pipe: Pipe | nn.Sequential) -> LMHead:
     head = pipe[len(pipe) - 1]
     assert isinstance(head, LMHead)
     return head

@@ -24,6 +24,7 @@ __all__ = [
     "CURVE_KEYS",
     "DEFAULT_CONSISTENCY",
     "DEFAULT_WINDOW",
+    "RESUME_AUTO",
     "STEP_RUNNERS",
     "StepRunner",
     "TrainError",
@@ -31,7 +32,8 @@ __all__ = [
     "check_arguments",
 ]
 
-StepRunner = Callable[[Pipe, Tensor, Tensor, Any, bool], Tensor]
+# (pipe, x, y, loss_fn, trace) -> loss; pipe: a Pipe, or a DistributedPipe whose x or y may be None
+StepRunner = Callable[..., Tensor]
 
 
 def _train_step(name: str, virtual_stages: int = 1) -> StepRunner:
@@ -53,6 +55,7 @@ STEP_RUNNERS: dict[str, tuple[StepRunner, int]] = {
 ASYNC = "async"  # XPipe-style streams of mini-batches without a flush, in windows
 DEFAULT_CONSISTENCY = "predict"
 DEFAULT_WINDOW = 10
+RESUME_AUTO = "auto"
 
 # Settings that change the loss curve: a resumed run must keep them.
 CURVE_KEYS = (
@@ -67,6 +70,7 @@ CURVE_KEYS = (
     "warmup",
     "consistency",
     "window",
+    "data_parallel",
 )
 
 
@@ -108,7 +112,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stages", type=int, default=None, help="pipeline workers (default: one per visible GPU, else 2 CPU stages)"
     )
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="D",
+        help="under torchrun: D replicas of the pipeline, each training on 1/D of every --batch "
+        "(world = stages x D ranks)",
+    )
+    p.add_argument("--chunks", type=int, default=4, help="micro-batches per step (per replica)")
     p.add_argument(
         "--checkpoint",
         default="never",
@@ -130,7 +142,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: only at the end)"
     )
-    p.add_argument("--resume", default=None, metavar="DIR", help="continue the run saved in DIR")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR|auto",
+        help=f"continue the run saved in DIR; {RESUME_AUTO}: from --save DIR's newest complete save, "
+        "or from scratch if it holds none (a restarted torchrun job continues)",
+    )
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     p.add_argument("--sample-chars", type=int, default=240, help="characters of sampled text")
     p.add_argument(
@@ -175,6 +193,10 @@ def check_arguments(args: argparse.Namespace, layers: int, virtual: int) -> None
         raise TrainError("--save-every and --warmup must be >= 0 and --lr > 0")
     if args.save_every and not args.save:
         raise TrainError("--save-every needs --save DIR")
+    if args.resume == RESUME_AUTO and not args.save:
+        raise TrainError(f"--resume {RESUME_AUTO} resumes from --save DIR: pass --save DIR too")
+    if args.data_parallel < 1:
+        raise TrainError(f"--data-parallel must be >= 1, got {args.data_parallel}")
     missing = check_model(args.model)
     if missing:
         raise TrainError(missing)

@@ -16,6 +16,7 @@ __all__ = ["write_report", "REPORT_KEYS"]
 REPORT_KEYS = (
     "settings",
     "steps",
+    "start_step",
     "history",
     "val_loss",
     "unigram_entropy",
@@ -26,6 +27,7 @@ REPORT_KEYS = (
     "corpus",
     "devices",
     "parameters",
+    "torchrun",
     "files",
 )
 
@@ -69,11 +71,13 @@ def write_report(
     corpus: dict[str, Any],
     devices: list[str],
     parameters: int,
+    torchrun: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Prints the summary and writes ``report.json``, ``loss.png``, ``timeline.png`` and ``trace.json``.
 
     ``timeline`` is the traced extra step, ``traced`` says in words what it ran, and
     ``schedule`` (a name or a built stream) is what the simulator prices with its costs.
+    ``torchrun`` says where a torchrun job ran (world, replicas, restart), None for one process.
 
     Returns the report dict (what ``report.json`` holds; :data:`REPORT_KEYS`).
     """
@@ -90,6 +94,7 @@ def write_report(
     report = {
         "settings": settings,
         "steps": len(history),
+        "start_step": start_step,  # the saved step a resumed run continued from; 0: from scratch
         "history": history,
         "val_loss": val_loss,
         "unigram_entropy": unigram,
@@ -100,6 +105,7 @@ def write_report(
         "corpus": corpus,
         "devices": devices,
         "parameters": parameters,
+        "torchrun": torchrun,
         "files": files,
     }
     timeline.to_chrome_trace(files["trace.json"])

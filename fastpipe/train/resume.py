@@ -10,6 +10,11 @@ Both are written atomically (temporary file, fsync, rename) and ``run.pt`` goes 
 killed at any moment leaves ``run.pt`` naming a complete model file, the previous one or the
 new one. Older model files are removed only after the new record is in place. Nothing else
 needs saving: the data of step ``n`` and the learning rate are functions of ``n``.
+
+Under torchrun every rank calls :func:`save_run` and :func:`load_run`: ``fastpipe.save``
+gathers the stages to rank 0, which writes both files, and every rank reads them back, so
+the folder must be one that every host sees. The run reads and writes its saves through
+:func:`has_run`, :func:`save_run` and :func:`load_run` alone.
 """
 
 from __future__ import annotations
@@ -25,20 +30,37 @@ from torch import nn
 import fastpipe
 from fastpipe.serialization import atomic_write
 
-__all__ = ["RUN_FORMAT", "save_run", "load_run", "check_compatible"]
+__all__ = ["RUN_FORMAT", "check_compatible", "has_run", "load_run", "save_run"]
 
 RUN_FORMAT = "fastpipe-train/1"
 _RECORD = "run.pt"
 
 
-def save_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer, step: int, record: dict[str, Any]) -> str:
+def has_run(folder: str) -> bool:
+    """Whether ``folder`` holds a completed save (its commit record)."""
+    return os.path.exists(os.path.join(folder, _RECORD))
+
+
+def save_run(
+    folder: str,
+    pipe: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    record: dict[str, Any],
+    *,
+    writer: bool = True,
+) -> str:
     """Writes the state after ``step`` optimizer steps; returns the model file's path.
 
-    ``record`` (history, configuration) is stored beside ``step`` in the commit record.
+    ``record`` (history, configuration) is stored beside ``step`` in the commit record. For a
+    DistributedPipe call it on every rank: the model file is gathered to the pipeline's rank 0,
+    and only the ``writer`` (that rank) writes the record and removes the older model files.
     """
     os.makedirs(folder, exist_ok=True)
     name = f"model-{step:06d}.pt"
     fastpipe.save(pipe, os.path.join(folder, name), optimizer=optimizer)
+    if not writer:
+        return os.path.join(folder, name)
     atomic_write({**record, "format": RUN_FORMAT, "step": step, "model_file": name}, os.path.join(folder, _RECORD))
     for old in glob.glob(os.path.join(folder, "model-*.pt")):
         if os.path.basename(old) != name:
@@ -49,6 +71,8 @@ def save_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer, ste
 
 def load_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restores model, optimizer and RNG state from ``folder``; returns the commit record.
+
+    For a DistributedPipe every rank reads the files and takes its own stages' share.
 
     Raises:
         FileNotFoundError: ``folder`` holds no completed save.

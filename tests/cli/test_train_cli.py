@@ -132,6 +132,14 @@ def test_async_resume_continues_the_loss_curve_exactly(tmp_path: object) -> None
     assert code == 2  # another consistency policy would change the curve
 
 
+def test_resume_auto_starts_afresh_then_continues(tmp_path: object) -> None:
+    ckpt = os.path.join(str(tmp_path), "ckpt")  # not there yet: the first run starts from scratch
+    first = _train(tmp_path, "first", "--steps", "2", "--save", ckpt, "--resume", "auto")
+    again = _train(tmp_path, "again", "--steps", "3", "--save", ckpt, "--resume", "auto")
+    assert (first["start_step"], again["start_step"]) == (0, 2)
+    assert again["history"][:2] == first["history"] and len(again["history"]) == 3
+
+
 def test_resume_refuses_other_settings(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = os.path.join(str(tmp_path), "ckpt")
     _train(tmp_path, "first", "--steps", "1", "--save", ckpt)
@@ -149,6 +157,8 @@ def test_resume_refuses_other_settings(tmp_path: object, capsys: pytest.CaptureF
         (["--heads", "3"], "--dim 32 must be a multiple of --heads 3"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--save-every", "2"], "--save-every needs --save DIR"),
+        (["--resume", "auto"], "--resume auto resumes from --save DIR: pass --save DIR too"),
+        (["--data-parallel", "2"], "--data-parallel 2 needs a process per replica: launch with torchrun"),
         (["--resume", "/nonexistent/fastpipe-ckpt"], "no run.pt there"),
         (["--consistency", "stash"], "--consistency applies to --schedule async only"),
         (["--window", "4"], "--window applies to --schedule async only"),
