@@ -88,6 +88,7 @@ def resume_or_start(
     names the file, and the previous complete one is loaded instead.
     """
     group = dcp.checkpoint_group(module, None, timeout)
+    dcp.wait_pending(group)  # its collectives would interleave with the listing's broadcast
     folders = complete_checkpoints(root) if _is_root(group) else []
     if group is not None:  # one listing for all ranks, so they try the same folders in order
         box: list[Any] = [folders]

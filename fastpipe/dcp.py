@@ -82,8 +82,9 @@ def _writer(path: str, step: int) -> Any:
 
 @contextlib.contextmanager
 def _quiet(group: Any) -> Iterator[None]:
-    """Without a process group DCP warns that it assumes one process; that is the intent here."""
+    """DCP's warnings about what is intended here: one process without a group, a folder written again."""
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)
         if group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
