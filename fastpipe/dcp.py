@@ -55,7 +55,7 @@ DEFAULT_TIMEOUT = 600.0
 # right after writing its shard (before DCP's index and the commit record exist).
 KILL_ENV = "FASTPIPE_TEST_KILL_IN_SAVE"
 _METADATA = ".metadata"
-_GROUPS: dict[tuple[int, ...], Any] = {}
+_GROUPS: dict[tuple[tuple[int, ...], float], Any] = {}
 _PENDING: dict[tuple[int, ...], PendingSave] = {}
 
 
@@ -102,11 +102,11 @@ def checkpoint_group(module: nn.Module, process_group: Any, timeout: float) -> A
         ranks = tuple(dist.get_process_group_ranks(group))
     else:
         return None  # a whole module in this process: it writes alone
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(
+    if (ranks, timeout) not in _GROUPS:
+        _GROUPS[ranks, timeout] = dist.new_group(
             list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
         )
-    return _GROUPS[ranks]
+    return _GROUPS[ranks, timeout]
 
 
 def _settings(module: nn.Module, group: Any, settings: dict[str, Any] | None) -> dict[str, Any]:

@@ -54,12 +54,13 @@ def distributed(
 
 
 def _train_save_then_die(rank: int, world: int, root: str) -> dict:
-    """3 steps, a checkpoint, 3 more steps, then a save during which rank 1 kills itself."""
+    """3 steps, an asynchronous checkpoint, 3 more steps, then a save during which rank 1 kills itself."""
     torch.manual_seed(1234)
     pipe, opt = distributed([4, 4], "1f1b", 0.1, 0)
     losses = train(pipe, opt, range(3))
-    fastpipe.save_checkpoint(root, pipe, opt, 3, state={"losses": losses}, timeout=TIMEOUT)
-    after = train(pipe, opt, range(3, 6))
+    pending = fastpipe.save_checkpoint(root, pipe, opt, 3, state={"losses": losses}, asynchronous=True, timeout=TIMEOUT)
+    after = train(pipe, opt, range(3, 6))  # while the checkpoint is written
+    assert isinstance(pending, dcp.PendingSave) and pending.wait() == step_dir(root, 3)
     os.environ[dcp.KILL_ENV] = "1:6"
     try:
         fastpipe.save_checkpoint(root, pipe, opt, 6, state={"losses": losses + after}, timeout=TIMEOUT)
