@@ -52,7 +52,8 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 600.0
 # Test-only: "RANK:STEP" makes that global rank SIGKILL itself inside the save of that step,
-# right after writing its shard (before DCP's index and the commit record exist).
+# right after writing its shard (before DCP's index and the commit record exist);
+# "RANK:STEP:record" once DCP has finished, just before the commit record's checksums.
 KILL_ENV = "FASTPIPE_TEST_KILL_IN_SAVE"
 _METADATA = ".metadata"
 _GROUPS: dict[tuple[tuple[int, ...], float], Any] = {}
@@ -72,12 +73,17 @@ def _writer(path: str, step: int) -> Any:
     class Writer(_dcp().FileSystemWriter):  # type: ignore[misc]
         def write_data(self, plan: Any, planner: Any) -> Any:
             written = super().write_data(plan, planner)
-            wanted = os.environ.get(KILL_ENV, "")
-            if wanted and wanted == f"{dist.get_rank() if dist.is_initialized() else 0}:{step}":
-                os.kill(os.getpid(), signal.SIGKILL)
+            _maybe_die(step, "")
             return written
 
     return Writer(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+
+
+def _maybe_die(step: int, where: str) -> None:
+    """The test-only kill point of :data:`KILL_ENV`."""
+    wanted = os.environ.get(KILL_ENV)
+    if wanted and wanted == f"{dist.get_rank() if dist.is_initialized() else 0}:{step}{where}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -119,6 +125,7 @@ def _settings(module: nn.Module, group: Any, settings: dict[str, Any] | None) ->
 
 def _commit(folder: str, group: Any, record: dict[str, Any], rng: dict[str, Any]) -> None:
     """Checksums this rank's files, then rank 0 writes the record once every rank has; raises on every rank."""
+    _maybe_die(record["step"], ":record")
     rank = 0 if group is None else dist.get_rank(group)
     mine = sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_"))
     if rank == 0:

@@ -83,6 +83,29 @@ def _resume(rank: int, world: int, root: str, balance: list[int], schedule: str,
     return {"step": step, "state": resumed["state"], "losses": losses, "warnings": [str(w.message) for w in seen]}
 
 
+def _save_twice_rank_0_dies_before_the_record(rank: int, world: int, root: str) -> str:
+    pipe, opt = distributed([4, 4], "1f1b", 0.0, 0)
+    train(pipe, opt, range(1))
+    fastpipe.save_checkpoint(root, pipe, opt, 1, timeout=TIMEOUT)
+    os.environ[dcp.KILL_ENV] = "0:2:record"
+    try:
+        fastpipe.save_checkpoint(root, pipe, opt, 2, timeout=TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - the survivor reports what it saw
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_rank_0_killed_after_the_shards_before_the_record_leaves_the_previous_checkpoint(tmp_path) -> None:
+    root = str(tmp_path)
+    outcomes = run_ranks(_save_twice_rank_0_dies_before_the_record, 2, root, timeout=120)
+    assert outcomes[0]["exitcode"] == -9
+    assert check_ok(outcomes[1:])[0] != "saved"  # the survivor raised instead of hanging
+    folder = step_dir(root, 2)
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(os.listdir(folder))  # DCP alone finished
+    assert read_record(folder) is None and latest(root) == step_dir(root, 1)
+    assert fastpipe.resume_or_start(root, make_model(seed=2))["step"] == 1
+
+
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory) -> tuple[str, list[dict]]:
     root = str(tmp_path_factory.mktemp("killed"))
