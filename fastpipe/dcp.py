@@ -20,6 +20,7 @@ collectives.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
 import signal
@@ -173,7 +174,9 @@ def _start(
         result = write(
             share(module, optimizer), storage_writer=_writer(folder, step), process_group=group, no_dist=group is None
         )
-    record = {"step": step, "state": state or {}, "settings": _settings(module, group, settings), "time": time.time()}
+    # A copy: the loop goes on appending to its loss history while an asynchronous save is written.
+    record = copy.deepcopy({"step": step, "state": state or {}, "settings": _settings(module, group, settings)})
+    record["time"] = time.time()
     return group, result, record, rng
 
 

@@ -144,12 +144,14 @@ def test_async_save_keeps_the_values_of_the_call(tmp_path) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, opt, range(2))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pending = fastpipe.save_checkpoint(str(tmp_path), model, opt, 2, asynchronous=True)
+    losses = [1.0, 2.0]
+    pending = fastpipe.save_checkpoint(str(tmp_path), model, opt, 2, state={"losses": losses}, asynchronous=True)
     assert isinstance(pending, dcp.PendingSave)
-    train(model, opt, range(2, 4))  # the loop goes on while the save is written
+    losses += train(model, opt, range(2, 4))  # the loop goes on while the save is written
     assert pending.wait() == step_dir(str(tmp_path), 2)
     record = read_record(step_dir(str(tmp_path), 2))
     assert record is not None and set(record["files"]) == {".metadata", "__0_0.distcp"}
+    assert record["state"] == {"losses": [1.0, 2.0]}
     again = make_model(seed=2)
     dcp.load(step_dir(str(tmp_path), 2), again)
     for key, value in again.state_dict().items():
