@@ -214,3 +214,35 @@ def test_a_weight_tied_across_ranks_is_saved_once_and_loads_into_the_tied_sequen
     assert plain[4].weight is plain[0].weight
     assert torch.equal(plain[0].weight, ranks[0]["model"]["0.weight"])
     assert torch.equal(plain[4].bias, ranks[1]["model"]["4.bias"])
+
+
+def _pp_dp_save_and_resume(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pipe = DistributedPipe(make_model(), [4, 4], chunks=2, mesh=mesh, timeout=TIMEOUT)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    train(pipe, opt, range(2))
+    fastpipe.save_checkpoint(root, pipe, opt, 2, timeout=TIMEOUT)
+    expected = train(pipe, opt, range(2, 4))
+    again = DistributedPipe(make_model(seed=rank + 1), [4, 4], chunks=2, mesh=mesh, timeout=TIMEOUT)
+    opt2 = torch.optim.Adam(again.parameters(), lr=1e-2)
+    resumed = fastpipe.resume_or_start(root, again, opt2, timeout=TIMEOUT)
+    return {"step": resumed["step"], "expected": expected, "resumed": train(again, opt2, range(2, 4))}
+
+
+def test_pipeline_and_data_parallel_ranks_write_each_key_once_and_resume(tmp_path) -> None:
+    root = str(tmp_path)
+    ranks = check_ok(run_ranks(_pp_dp_save_and_resume, 4, root, timeout=150))
+    for r in ranks:
+        assert r["step"] == 2 and r["resumed"] == r["expected"]
+    folder = step_dir(root, 2)
+    metadata = dcp._dcp().FileSystemReader(folder).read_metadata()
+    written = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".distcp"))
+    # The replicas' identical keys are written once: every byte of the shards is an entry of
+    # DCP's index (a second copy would be written, and not indexed).
+    assert sum(info.length for info in metadata.storage_data.values()) == written
+    keys = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+    assert keys == {f"model.{k}" for k in make_model().state_dict()}
