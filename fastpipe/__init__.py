@@ -17,6 +17,8 @@ from fastpipe._version import __version__
 _source_tree.install(Path(__file__).parent, __version__)
 
 from fastpipe.batchnorm import DeferredBatchNorm
+from fastpipe.checkpoints import resume_or_start, save_checkpoint
+from fastpipe.commit import CheckpointCorruptError, latest
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
@@ -33,6 +35,10 @@ __all__ = [
     "CHECKPOINT_MODES",
     "save",
     "load",
+    "save_checkpoint",
+    "resume_or_start",
+    "latest",
+    "CheckpointCorruptError",
     "Sequential",
     "takes",
     "broadcast",
