@@ -60,7 +60,7 @@ def _one_process(out: Path, *flags: str) -> dict:
 
 
 def _weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
-    """A save's parameters, AdamW state and RNG state (the stream of the dropout seeds)."""
+    """A one-file save's parameters, AdamW state and RNG state (the stream of the dropout seeds)."""
     saved = torch.load(folder / f"model-{step:06d}.pt", weights_only=False)
     return {
         "rng": saved["rng"],
@@ -71,6 +71,26 @@ def _weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
             for key, value in state.items()
         },
     }
+
+
+def _sharded_weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
+    """The same of a sharded checkpoint (every rank's share; rank 0's RNG, which draws the seeds)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from fastpipe.commit import read_record, step_dir
+
+    path = step_dir(str(folder), step)
+    record = read_record(path)
+    assert record is not None, f"{path} has no commit record"
+    flat = _load_state_dict_from_keys(checkpoint_id=path)
+    out: dict[str, torch.Tensor] = {"rng": record["rng"][0]["torch"]}
+    for key, value in flat.items():
+        if key.startswith("model."):
+            out[key] = value
+        elif key.startswith("optim.state."):
+            name, _, what = key.removeprefix("optim.state.").rpartition(".")
+            out[f"optimizer.{name}.{what}"] = value
+    return out
 
 
 def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -138,7 +158,8 @@ def test_torchrun_restart_resumes_bit_for_bit(tmp_path: Path, schedule: list[str
     whole = _one_process(tmp_path / "one", *flags, "--save", str(ref))
     assert whole["start_step"] == 0  # an empty --save folder: --resume auto starts afresh
     assert resumed["history"] == whole["history"]
-    _assert_bitwise(_weights(ckpt, 6), _weights(ref, 6))
+    assert not list(ckpt.glob("model-*.pt"))  # sharded: no rank gathered the others' shares
+    _assert_bitwise(_sharded_weights(ckpt, 6), _weights(ref, 6))
 
 
 def test_torchrun_data_parallel_matches_the_whole_batch(tmp_path: Path) -> None:
