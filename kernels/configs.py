@@ -25,7 +25,17 @@ import torch
 
 from ._common import interpreting, next_pow2
 
-__all__ = ["TUNED", "FALLBACK", "CANDIDATES", "launch_config", "override", "arch_key"]
+__all__ = [
+    "TUNED",
+    "FALLBACK",
+    "CANDIDATES",
+    "MAX_NORM_WARPS",
+    "NORM_ELEMENTS_PER_THREAD",
+    "launch_config",
+    "norm_launch",
+    "override",
+    "arch_key",
+]
 
 Config = dict[str, Any]
 
@@ -145,3 +155,38 @@ def override(op: str, config: Config) -> Iterator[None]:
             _OVERRIDES.pop(op, None)
         else:
             _OVERRIDES[op] = previous
+
+
+#: Row elements each thread of a norm kernel may hold (per row tensor it keeps live) before
+#: ptxas spills. From the register counts above (width 4096): forward costs about 16 + 4 per
+#: element (8 warps: 16 elements, 80 regs), backward about 20 + 10 (8 warps: 16 elements, 172
+#: regs; 4 warps: 32 elements, spills). A thread has 255 registers at most.
+NORM_ELEMENTS_PER_THREAD = {"norm_fwd": 32, "norm_bwd": 16}
+#: Warps of one norm program at most (1,024 threads).
+MAX_NORM_WARPS = 32
+
+
+def norm_launch(op: str, cfg: Config, m: int, n: int) -> tuple[int, int] | None:
+    """``(rows per block, warps)`` for a norm kernel (``op``) on ``m`` rows ``n`` wide, or None.
+
+    A block holds whole rows (``next_pow2(n)`` columns), so a wide row needs more warps to stay
+    in registers: the warps rise above ``cfg``'s until each thread holds at most
+    :data:`NORM_ELEMENTS_PER_THREAD` elements, and rows per block shrink to fit. A row too
+    wide for that even at :data:`MAX_NORM_WARPS` (forward: above 32,768 columns, backward:
+    above 16,384) gets None: the PyTorch path, rather than a kernel that spills to local
+    memory. The interpreter has no registers and takes ``cfg`` as it is.
+    """
+    block_n = next_pow2(n)
+    rows = cfg["rows"]
+    if rows <= 0:  # as many rows as fill a block of 4096 elements (2**16 in the interpreter, per program)
+        rows = max(1, (1 << 16 if interpreting() else 4096) // block_n)
+    block_m = max(1, min(next_pow2(m), next_pow2(rows)))
+    if interpreting():
+        return block_m, int(cfg["num_warps"])
+    per_warp = 32 * NORM_ELEMENTS_PER_THREAD[op]
+    widest = per_warp * MAX_NORM_WARPS
+    if block_n > widest:
+        return None
+    block_m = min(block_m, widest // block_n)
+    warps = max(int(cfg["num_warps"]), next_pow2(-(-block_m * block_n // per_warp)))
+    return block_m, min(warps, MAX_NORM_WARPS)
