@@ -26,7 +26,7 @@ from ._gemm import chunk_size as _chunk_size
 from ._gemm import mm_into as _mm_into
 from .configs import launch_config
 
-__all__ = ["run", "vocab_pass"]
+__all__ = ["run", "vocab_pass", "weight_grad"]
 
 if HAS_TRITON:
 
@@ -151,8 +151,8 @@ def run(
     scale: torch.Tensor | None,
     needs: tuple[bool, bool, bool],
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-token losses and, if ``scale`` (fp32 per token) is given, the gradients ``needs``
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token losses and log-sum-exps (fp32) and, if ``scale`` (fp32 per token) is given, the gradients ``needs``
     asks for (dx, dW, db), in the dtypes of x, weight and bias. Runs with autocast off: the
     compute dtype was chosen by the caller (``x2`` and ``weight`` already cast to it)."""
     cfg = launch_config("lce", x2.device)
@@ -187,7 +187,7 @@ def run(
         assert scale is not None
         dw, db32 = vocab_pass(x2, weight, bias, tgt, ignore_index, scale, lse, buf, need_dw, db32)
     del buf
-    return losses, dx, dw, db32
+    return losses, lse, dx, dw, db32
 
 
 def vocab_pass(
@@ -220,3 +220,27 @@ def vocab_pass(
         if db32 is not None:
             db32[v0:v1] = z.sum(0, dtype=torch.float32)
     return dw, db32
+
+
+def weight_grad(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tgt: torch.Tensor,
+    ignore_index: int,
+    scale: torch.Tensor,
+    lse: torch.Tensor,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """dW alone, from the log-sum-exps pass 1 saved: "recompute"'s pass 2, with pass 1's buffer size.
+
+    The same two GEMMs per vocab block as when pass 2 follows pass 1 at once, so running it
+    later (in backward) costs nothing more; in the compute dtype, with autocast off.
+    """
+    n, hidden = x2.shape
+    v = weight.shape[0]
+    step = _chunk_size(n, v, hidden, chunk_size, launch_config("lce", x2.device)["chunk_ratio"])
+    buf = torch.empty(step * v, dtype=x2.dtype, device=x2.device)
+    dw, _ = vocab_pass(x2, weight, bias, tgt, ignore_index, scale, lse, buf, True, None)
+    assert dw is not None
+    return dw

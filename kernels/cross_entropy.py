@@ -21,8 +21,12 @@ is the gradients plus one logits buffer (Liger-Kernel's, whose dW accumulates in
 dtype chunk by chunk). "accumulate" runs three GEMMs but holds an fp32 ``[V, H]`` accumulator
 (2x a bf16 weight). Cut Cross-Entropy (Wijmans et al., 2024) also recomputes logits blockwise.
 
-For ``reduction="mean"|"sum"`` the gradients are computed in forward and saved; backward scales
-them by the incoming scalar in place (so it runs once). For ``reduction="none"``, and for fp16
+For ``reduction="mean"|"sum"``, dx and db are computed in forward and kept; backward scales
+them by the incoming scalar in place (so it runs once). dW waits for backward under "recompute":
+pass 2 runs there from the saved log-sum-exps, the same GEMMs as right after pass 1, so no
+weight-sized gradient is held from forward to backward (M micro-batches in flight in a
+pipeline's forward phase held M of them). "accumulate" has dW from pass 1 and keeps it, as
+its fp32 accumulator already costs weight-sized memory. For ``reduction="none"``, and for fp16
 (whose gradients would underflow before a GradScaler's factor arrives), forward computes only
 the losses; backward reruns the passes with the per-token scales.
 """
@@ -34,10 +38,12 @@ from typing import Any
 import torch
 
 from ._ce_passes import run as _run
+from ._ce_passes import weight_grad as _weight_grad
 from ._common import autocast_like, autocast_state
 from ._gemm import OUT_DTYPE_MM as _OUT_DTYPE_MM  # noqa: F401 - bench/kernel_tune.py reports it
 from ._gemm import chunk_size as _chunk_size  # noqa: F401 - the tests check its rule here
 from ._gemm import compute_dtype as _compute_dtype
+from .configs import launch_config
 
 __all__ = ["linear_cross_entropy"]
 
@@ -66,6 +72,8 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         # (that factor) is folded into each row's scale before anything is rounded, as in eager.
         deferred = reduction != "none" and cdt == torch.float16
         grad_now = reduction != "none" and not deferred and (need_dx or need_dw or need_db)
+        # dW later, in backward (see the module docstring): free under "recompute".
+        dw_later = grad_now and need_dw and launch_config("lce", x.device)["strategy"] == "recompute"
         n_valid = (tgt != ignore_index).sum()
         scale = None
         if grad_now:
@@ -74,9 +82,15 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         ctx.meta = (x.shape, x.dtype, reduction, ignore_index, chunk_size, deferred)
         ctx.autocast = autocast_state(x)
         ctx.scaled_by = None  # the upstream gradient the saved gradients were scaled by, once
+        ctx.dw_later = dw_later
+        ctx.dw_for = None  # (upstream gradient, dW, its version) of the last backward
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
+        needs = (need_dx, need_dw and not dw_later, need_db)
         with torch.autocast(x.device.type, enabled=False):
-            losses, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
+            losses, lse, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, needs, chunk_size)
+        if dw_later:
+            ctx.save_for_backward(x, weight, tgt, bias)
+            ctx.n_valid, ctx.lse = n_valid, lse
         if reduction == "none":
             ctx.save_for_backward(x, weight, tgt, bias)
             return losses.view(target.shape).to(x.dtype)
@@ -136,10 +150,34 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return dx, dw, None, db, None, None, None
 
     @staticmethod
+    def _later_dw(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        """dW for the upstream gradient ``g``, by pass 2 from forward's log-sum-exps.
+
+        Kept for a later call with the same ``g`` (a pipeline's split backward runs the node
+        again for its weight pass) while nobody wrote into it; any other call recomputes it.
+        """
+        if ctx.dw_for is not None:
+            first, dw, version = ctx.dw_for
+            if first is g and dw._version == version:
+                return dw
+        shape, _, reduction, ignore_index, chunk_size, _ = ctx.meta
+        x, weight, tgt, bias = ctx.saved_tensors
+        cdt = _compute_dtype(x)
+        x2 = x.reshape(-1, shape[-1]).to(cdt)
+        g32 = g.float() / ctx.n_valid.clamp(min=1).float() if reduction == "mean" else g.float()
+        scale = g32.expand(tgt.numel()).contiguous()  # fp32, folded in before anything is rounded
+        w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            dw = _weight_grad(x2, w, b, tgt, ignore_index, scale, ctx.lse, chunk_size).to(weight.dtype)
+        ctx.dw_for = (g, dw, dw._version)
+        return dw
+
+    @staticmethod
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape, x_dtype, reduction, ignore_index, chunk_size, deferred = ctx.meta
         if reduction != "none" and not deferred:
-            return _LinearCrossEntropyFn._scaled_grads(ctx, g.float())
+            dx, dw, _, db, *rest = _LinearCrossEntropyFn._scaled_grads(ctx, g.float())
+            return dx, _LinearCrossEntropyFn._later_dw(ctx, g) if ctx.dw_later else dw, None, db, *rest
         x, weight, tgt, bias = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
         hidden = shape[-1]
@@ -152,7 +190,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             g32 = g.float() / ctx.n_valid.clamp(min=1).float() if reduction == "mean" else g.float()
             scale = g32.expand(tgt.numel()).contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            _, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
+            _, _, dx, dw, db = _run(x2, w, b, tgt, ignore_index, scale, (need_dx, need_dw, need_db), chunk_size)
         return (
             dx.view(shape).to(x_dtype) if dx is not None else None,
             dw.to(weight.dtype) if dw is not None else None,
