@@ -101,12 +101,15 @@ def test_fp32_residual_stream_stays_fp32():
     [
         ("norm_fwd", None, 4096, (1, 16)),  # the fallback as it is: 8 elements per thread
         ("norm_fwd", None, 1024, (4, 16)),  # narrow rows: several per block
-        ("norm_fwd", None, 32768, (1, 32)),  # 16 warps would hold 64 elements per thread
-        ("norm_fwd", None, 65536, None),  # too wide for one block of 32 warps: the PyTorch path
+        ("norm_fwd", None, 8192, (1, 16)),
+        ("norm_fwd", None, 16384, (1, 32)),  # 16 warps would hold 32 elements per thread
+        ("norm_fwd", None, 32768, None),  # too wide for one block of 32 warps: the PyTorch path
+        ("norm_fwd", None, 65536, None),
         ("norm_bwd", None, 4096, (1, 16)),
         ("norm_bwd", None, 16384, (1, 32)),
         ("norm_bwd", None, 20000, None),
-        ("norm_fwd", dict(rows=4, num_warps=16), 16384, (2, 32)),  # a tuned 4 rows: cut to what fits
+        ("norm_fwd", dict(rows=4, num_warps=16), 4096, (4, 32)),  # a tuned 4 rows: more warps
+        ("norm_fwd", dict(rows=4, num_warps=16), 8192, (2, 32)),  # ... and cut to what fits
     ],
 )
 def test_norm_launch_keeps_wide_rows_in_registers(monkeypatch, op, cfg, n, expected):
