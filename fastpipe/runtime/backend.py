@@ -62,7 +62,11 @@ def abort_nccl(group: Any) -> bool:
     group = group if group is not None else dist.group.WORLD
     if backend_for(group, "cuda") != "nccl":
         return False
-    group._get_backend(torch.device("cuda")).abort()
+    backend = group._get_backend(torch.device("cuda"))
+    if hasattr(backend, "abort"):
+        backend.abort()
+    else:  # a torch whose Backend binding has no abort: the whole group (NCCL only, by torch's own check)
+        dist.distributed_c10d._abort_process_group(group)
     return True
 
 

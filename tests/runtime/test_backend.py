@@ -75,3 +75,21 @@ def test_abort_aborts_the_cuda_backend_of_an_nccl_group(monkeypatch):
     monkeypatch.setattr(backend_mod, "backend_for", lambda group, device: {"cuda": "nccl"}[torch.device(device).type])
     assert backend_mod.abort_nccl(FakeGroup()) is True
     assert calls == ["cuda", "abort"]
+
+
+def test_abort_falls_back_to_torch_s_group_abort(monkeypatch):
+    import torch
+
+    from fastpipe.runtime import backend as backend_mod
+
+    aborted = []
+
+    class Group:
+        def _get_backend(self, device):
+            return object()  # a Backend binding without abort()
+
+    group = Group()
+    monkeypatch.setattr(backend_mod, "backend_for", lambda group, device: {"cuda": "nccl"}[torch.device(device).type])
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", aborted.append)
+    assert backend_mod.abort_nccl(group) is True
+    assert aborted == [group]
