@@ -352,3 +352,23 @@ def test_micro_batches_in_flight_hold_no_weight_sized_gradient(reduction):
     wr = w.detach().clone().requires_grad_()
     sum(F.cross_entropy(x.detach() @ wr.t(), t, reduction=reduction) for x, t in zip(xs, ts)).backward()
     assert_close_reordered(w.grad, wr.grad, k=8 * 4 + 16)
+
+
+@pytest.mark.gpu
+def test_cuda_forwards_in_flight_hold_no_weight_sized_gradient():
+    """Four forwards before any backward (a pipeline's forward phase) on the compiled path:
+    what they keep is far below one weight (it was one weight per forward)."""
+    tokens, hidden, vocab = 1024, 512, 32000
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.05).bfloat16().requires_grad_()
+    xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(4)]
+    ts = [torch.randint(0, vocab, (tokens,), device="cuda", generator=gen) for _ in range(4)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    losses = [linear_cross_entropy(x, w, t) for x, t in zip(xs, ts)]
+    held = torch.cuda.memory_allocated() - base
+    assert held < w.numel() * w.element_size() // 2, held
+    sum(losses).backward()
+    wr = w.detach().double().requires_grad_()
+    sum(F.cross_entropy(x.detach().double() @ wr.t(), t) for x, t in zip(xs, ts)).backward()
+    assert _rel(w.grad, wr.grad) <= 2e-2
