@@ -372,3 +372,42 @@ def test_cuda_forwards_in_flight_hold_no_weight_sized_gradient():
     wr = w.detach().double().requires_grad_()
     sum(F.cross_entropy(x.detach().double() @ wr.t(), t) for x, t in zip(xs, ts)).backward()
     assert _rel(w.grad, wr.grad) <= 2e-2
+
+
+class _Head(torch.nn.Module):
+    """Holds the projection ``linear_cross_entropy`` applies in the loss (as an LM head does)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_pipeline_gets_each_micro_batch_s_weight_gradient_once(schedule, monkeypatch):
+    # zb-h1 runs the loss node twice per micro-batch (input pass, then weight pass): dW is
+    # computed in the first and handed to the second, not computed twice or lost.
+    import fastpipe.kernels.cross_entropy as ce
+    from fastpipe import Pipe
+
+    calls = []
+    real = ce._weight_grad
+    monkeypatch.setattr(ce, "_weight_grad", lambda *a: calls.append(1) or real(*a))
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), _Head(40, 16))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 40, (8,))
+    plain = build()
+    linear_cross_entropy(plain(x), plain[-1].weight, y).backward()
+    calls.clear()
+    model = build()
+    loss_fn = lambda h, t: linear_cross_entropy(h, model[-1].weight, t)  # noqa: E731
+    loss_fn.reduction = "mean"
+    Pipe(model, [2, 2], chunks=4).train_step(x, y, loss_fn, schedule=schedule)
+    assert len(calls) == 4
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        assert_close_reordered(got.grad, want.grad, k=64), name
