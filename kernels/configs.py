@@ -25,7 +25,17 @@ import torch
 
 from ._common import interpreting, next_pow2
 
-__all__ = ["TUNED", "FALLBACK", "CANDIDATES", "launch_config", "override", "arch_key"]
+__all__ = [
+    "TUNED",
+    "FALLBACK",
+    "CANDIDATES",
+    "MAX_NORM_WARPS",
+    "NORM_ELEMENTS_PER_THREAD",
+    "launch_config",
+    "norm_launch",
+    "override",
+    "arch_key",
+]
 
 Config = dict[str, Any]
 
@@ -145,3 +155,46 @@ def override(op: str, config: Config) -> Iterator[None]:
             _OVERRIDES.pop(op, None)
         else:
             _OVERRIDES[op] = previous
+
+
+#: Row elements each thread of a norm program may hold. A program holds whole rows, and the
+#: threads of one program share one SM's 65,536 registers (64 per thread at 32 warps), so more
+#: warps stop helping once a row fills the register file. ptxas for sm_90 (triton 3.9's
+#: bundle, bf16 with residual, one row per program; 2026-12-01, no GPU) spills, per thread:
+#:   forward   8192: 0 B at 8, 16 or 32 warps;  16384: 48 B (16 warps), 44 B (32);
+#:             32768: 6,192 B (16), 2,484 B (32);  65536: 18,728 B (16), 6,128 B (32)
+#:   backward  4096: 0 B (8 or 32 warps);  8192: 464 B (8), 64 B (16), 68 B (32);
+#:             16384: 1,780 B (16), 548 B (32);  32768: 1,896 B (32);  65536: 19,798 B (16)
+#: 16 elements per thread keeps the spills at most tens of bytes up to 8192 columns and
+#: 44 / 548 B at 16384 (32 warps); wider rows would move several times their own bytes in
+#: spills, so they take the PyTorch path.
+NORM_ELEMENTS_PER_THREAD = {"norm_fwd": 16, "norm_bwd": 16}
+#: Warps of one norm program at most (1,024 threads).
+MAX_NORM_WARPS = 32
+
+
+def norm_launch(op: str, cfg: Config, m: int, n: int) -> tuple[int, int] | None:
+    """``(rows per block, warps)`` for a norm kernel (``op``) on ``m`` rows ``n`` wide, or None.
+
+    A block holds whole rows (``next_pow2(n)`` columns), so a wide row needs more warps to stay
+    in registers: the warps rise above ``cfg``'s until each thread holds at most
+    :data:`NORM_ELEMENTS_PER_THREAD` elements, and rows per block shrink to fit. A row too
+    wide for that even at :data:`MAX_NORM_WARPS` (above 16,384 columns) gets None: the
+    PyTorch path, rather than a kernel that spills to local
+    memory (see the spill figures above). The interpreter has no registers and takes ``cfg``
+    as it is.
+    """
+    block_n = next_pow2(n)
+    rows = cfg["rows"]
+    if rows <= 0:  # as many rows as fill a block of 4096 elements (2**16 in the interpreter, per program)
+        rows = max(1, (1 << 16 if interpreting() else 4096) // block_n)
+    block_m = max(1, min(next_pow2(m), next_pow2(rows)))
+    if interpreting():
+        return block_m, int(cfg["num_warps"])
+    per_warp = 32 * NORM_ELEMENTS_PER_THREAD[op]
+    widest = per_warp * MAX_NORM_WARPS
+    if block_n > widest:
+        return None
+    block_m = min(block_m, widest // block_n)
+    warps = max(int(cfg["num_warps"]), next_pow2(-(-block_m * block_n // per_warp)))
+    return block_m, min(warps, MAX_NORM_WARPS)

@@ -22,18 +22,18 @@ from ._common import (
     as_seed_tensor,
     device_guard,
     dropout_scale,
-    interpreting,
     next_pow2,
     reference_keep_mask,
     tl,
     triton,
     use_triton,
 )
-from .configs import launch_config
+from .configs import launch_config, norm_launch
 
 __all__ = ["add_dropout_layer_norm", "add_dropout_rms_norm", "norm_forward", "norm_backward"]
 
-#: Widest row the Triton kernels take in one block; wider rows use the PyTorch path.
+#: Widest row the Triton kernels take in one block; wider rows use the PyTorch path (on a GPU
+#: the register budget sets a lower bound: :func:`~fastpipe.kernels.configs.norm_launch`).
 MAX_TRITON_COLS = 1 << 16
 
 if HAS_TRITON:
@@ -128,14 +128,6 @@ if HAS_TRITON:
             tl.store(DB + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
-def _rows_per_block(rows: int, m: int, block_n: int) -> int:
-    """Rows per block from a config's ``rows``; 0 means as many as fit a block of 4096 elements
-    (2**16 under the interpreter, whose cost is per program)."""
-    if rows <= 0:
-        rows = max(1, (1 << 16 if interpreting() else 4096) // block_n)
-    return max(1, min(next_pow2(m), next_pow2(rows)))
-
-
 def norm_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -155,20 +147,20 @@ def norm_forward(
     m, n = x.shape
     has_drop = p > 0.0
     res_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    if n <= MAX_TRITON_COLS and use_triton(x):
+    launch = norm_launch("norm_fwd", launch_config("norm_fwd", x.device, n), m, n) if n <= MAX_TRITON_COLS else None
+    if launch is not None and use_triton(x):
+        block_m, warps = launch
         y = torch.empty_like(x)
         res = torch.empty(x.shape, dtype=res_dtype, device=x.device) if store_res else None
         mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block_n = next_pow2(n)
-        cfg = launch_config("norm_fwd", x.device, n)
-        block_m = _rows_per_block(cfg["rows"], m, block_n)
         with device_guard(x):
             _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
                 x, residual, weight, bias, y, res, mean, rstd, seed, m, n, float(eps), float(p),
                 dropout_scale(p), HAS_RES=residual is not None, HAS_DROP=has_drop,
                 HAS_W=weight is not None, HAS_B=bias is not None, IS_RMS=is_rms, STORE_RES=store_res,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg["num_warps"],
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )  # fmt: skip
         return y, res, mean, rstd
     xf = x.float()
@@ -218,14 +210,15 @@ def norm_backward(
     m, n = res.shape
     is_rms = mean is None
     has_drop = p > 0.0
-    if n <= MAX_TRITON_COLS and use_triton(res):
+    cfg = launch_config("norm_bwd", res.device, n)
+    launch = norm_launch("norm_bwd", cfg, m, n) if n <= MAX_TRITON_COLS else None
+    if launch is not None and use_triton(res):
+        block_m, warps = launch
         dy = dy.contiguous()
         dres = dres.contiguous() if dres is not None else None
         dx = torch.empty(res.shape, dtype=dx_dtype, device=res.device)
         dr = torch.empty_like(res) if store_dr else None
         block_n = next_pow2(n)
-        cfg = launch_config("norm_bwd", res.device, n)
-        block_m = _rows_per_block(cfg["rows"], m, block_n)
         # Off CUDA (the interpreter) count one "SM", so a config's program count is testable there.
         sms = torch.cuda.get_device_properties(res.device).multi_processor_count if res.is_cuda else 1
         progs = max(1, min(triton.cdiv(m, block_m), cfg["progs_per_sm"] * sms))
@@ -238,7 +231,7 @@ def norm_backward(
                 dy, dres, res, weight, mean, rstd, seed, dx, dr, dw, db, m, n, float(p), dropout_scale(p),
                 rows_per_prog, HAS_DRES=dres is not None, HAS_DROP=has_drop, HAS_W=weight is not None,
                 HAS_B=has_bias, IS_RMS=is_rms, STORE_DR=store_dr, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=cfg["num_warps"],
+                num_warps=warps,
             )  # fmt: skip
         dw_out = dw.sum(0).to(weight.dtype) if weight is not None and dw is not None else None
         db_out = db.sum(0).to(weight.dtype if weight is not None else res.dtype) if db is not None else None

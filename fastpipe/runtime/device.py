@@ -9,7 +9,9 @@
   takes the generic path, torch's own ``Tensor.to`` and no stream handling;
 * a CUDA device ``cuda:i`` uses the CUDA backend (runtime device ``i``) when the driver
   can be loaded; the CPU uses the host backend (runtime device ``-1``);
-* each device gets one cached copy stream, created on first use (thread-safe);
+* each device gets two cached copy streams, created on first use (thread-safe): one for
+  copies into its memory (H2D, D2D) and one for copies out of it (D2H), so that an
+  activation arriving and an offload leaving overlap instead of queueing on one stream;
 * torch's current CUDA stream is wrapped (not owned) with ``_C.Stream.from_handle``.
 
 The CUDA driver is only touched when a CUDA device is asked about, never at import, so
@@ -29,6 +31,7 @@ import torch
 import fastpipe._C as _C
 
 __all__ = [
+    "COPY_DIRECTIONS",
     "HOST_DEVICE",
     "Capabilities",
     "as_torch_stream",
@@ -47,7 +50,9 @@ __all__ = [
 HOST_DEVICE = -1
 
 _lock = threading.Lock()
-_copy_streams: dict[int, _C.Stream] = {}
+_copy_streams: dict[tuple[int, str], _C.Stream] = {}
+#: The two copy directions of a device: into its memory, and out of it to the host.
+COPY_DIRECTIONS = ("in", "out")
 _wrapped_streams: dict[tuple[int, int], _C.Stream] = {}
 _pools: dict[str, _C.HostBufferPool] = {}
 
@@ -139,17 +144,26 @@ def runtime_device(device: torch.device | str | int) -> int:
     return HOST_DEVICE
 
 
-def copy_stream(device: torch.device | str | int) -> _C.Stream:
-    """Return the copy stream of ``device``, one per device, created on first use.
+def copy_stream(device: torch.device | str | int, direction: str = "in") -> _C.Stream:
+    """Return ``device``'s copy stream for ``direction``, created on first use.
 
-    CPU (and any device without the CUDA backend) shares the host copy stream.
+    Args:
+        device: the device whose memory the copy reads or writes.
+        direction: ``"in"`` for copies that write ``device``'s memory (host-to-device,
+            device-to-device), ``"out"`` for copies that read it into the host
+            (device-to-host). One stream for both would queue an offload behind the next
+            activation's upload, and DMA engines can run one of each at once.
+
+    CPU (and any device without the CUDA backend) shares the host copy streams.
     """
-    index = runtime_device(device)
+    if direction not in COPY_DIRECTIONS:
+        raise ValueError(f"direction must be one of {COPY_DIRECTIONS}, got {direction!r}")
+    key = (runtime_device(device), direction)
     with _lock:
-        stream = _copy_streams.get(index)
+        stream = _copy_streams.get(key)
         if stream is None or stream.closed:
-            stream = _C.Stream(index)
-            _copy_streams[index] = stream
+            stream = _C.Stream(key[0])
+            _copy_streams[key] = stream
         return stream
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.microbatch import Value
-from fastpipe.runtime.backend import backend_for
+from fastpipe.runtime.backend import abort_nccl, require_backend
 from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.p2p import P2PTransport
@@ -104,7 +105,7 @@ class DistributedRuntime:
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
         # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
         # init_process_group() without backend=, which reports "undefined").
-        backend = backend_for(self.group, device)
+        backend = require_backend(self.group, device)
         self.ordered = order_matched(backend)
         if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
             check_nccl_device(device)
@@ -122,6 +123,9 @@ class DistributedRuntime:
         self.side_group: Any = None if plain_gloo else self._gloo_side_group()
         self.control_group: Any = self.group if plain_gloo else self.side_group
         self.watchdog = Watchdog(store, self._abort_key(), timeout, self.global_rank)
+        # A failed step aborts the NCCL communicators (gloo groups are left as they are): a
+        # GPU stream waiting on a hung peer's payload would block every later sync otherwise.
+        self.watchdog.aborts += [functools.partial(abort_nccl, g) for g in (self.group, self.dp_group) if g is not None]
         self._check_same_transport()
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")

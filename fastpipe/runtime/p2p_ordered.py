@@ -150,10 +150,7 @@ class OrderedTransport(P2PTransport):
             buffers = {}
             for i, nbytes in enumerate(payload_sizes(meta)):
                 if nbytes:
-                    buf = self._buffers.get((*key, i))
-                    if buf is None or buf.numel() != nbytes or buf.device != self.data_device:
-                        buf = self._buffers[(*key, i)] = torch.empty(nbytes, dtype=torch.uint8, device=self.data_device)
-                    buffers[i] = buf
+                    buf = buffers[i] = self._receive_buffer(nbytes)
                     receiving.append((key, len(p2p)))
                     p2p.append(dist.P2POp(dist.irecv, buf, inbound.src, group=self.data_group))
             self._arrived[key] = (meta, buffers, [], inbound.peer)
@@ -168,6 +165,18 @@ class OrderedTransport(P2PTransport):
         sent = [w for w, op in zip(per_op, p2p) if op.op is dist.isend]
         if sent:
             self._payload_sends.add(sent[-1] if len(works) != len(p2p) else _AllOf(sent), sending)
+
+    def _receive_buffer(self, nbytes: int) -> Tensor:
+        """A fresh buffer for one payload; the value received into it is its only owner.
+
+        Nothing here keeps it: once the task that consumed the value is done with it (its
+        backward, for a saved activation), it goes back to the device's caching allocator,
+        which is the size-keyed free list the next receive of that size draws from. Keeping
+        one buffer per (value, micro-batch) across steps held M activations and M gradients
+        on the GPU for good, undoing 1F1B's memory saving. NCCL keeps its own reference
+        until the receive completed, so the memory is never reused under it.
+        """
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.data_device)
 
     # -- receiving --------------------------------------------------------------------------
 

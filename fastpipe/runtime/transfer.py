@@ -12,10 +12,21 @@ the consumer. The ordering, CUDA -> CUDA::
                                                                               │
     consumer's current stream, in Transfer.wait()  ◀──────── wait(done) ──────┘
 
-Memory safety does not rely on ``Tensor.record_stream``: every buffer an in-flight copy
-touches (source, destination, pinned staging block) is put on a deferred-release list
-with the copy's ``done`` event, and is only dropped once the event has completed. So a
-:class:`Transfer` dropped before completion never frees memory under a running copy.
+Copies into a device's memory and copies out of it to the host run on two copy streams
+of that device (:func:`fastpipe.runtime.device.copy_stream`), so they overlap.
+
+Memory safety of the copies does not rely on ``Tensor.record_stream``: every buffer an
+in-flight copy touches (source, destination, pinned staging block) is put on a
+deferred-release list with the copy's ``done`` event, and is only dropped once the event
+has completed. So a :class:`Transfer` dropped before completion never frees memory under
+a running copy.
+
+The consumer is another matter. The destination is allocated on the destination device's
+current stream *of the thread that starts the copy* (the producer's, usually the default
+stream), but the consumer may run on another one (the caller's stream, which a worker
+enters for its stage). The caching allocator would then hand the memory out again once
+the allocating stream had moved on, while the consumer's kernels still read it, so
+:meth:`Transfer.wait` calls ``record_stream`` for the consumer's stream when it differs.
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ def synchronize_pending() -> None:
 class Transfer:
     """An in-flight copy of one tensor to another device."""
 
-    __slots__ = ("_device", "_event", "_result", "_staged", "_shape", "_dtype")
+    __slots__ = ("_device", "_event", "_result", "_staged", "_shape", "_dtype", "_stream")
 
     def __init__(
         self,
@@ -86,6 +97,7 @@ class Transfer:
         staged: Any = None,
         shape: torch.Size | None = None,
         dtype: torch.dtype | None = None,
+        stream: int | None = None,
     ) -> None:
         self._result = result
         self._device = device
@@ -94,6 +106,8 @@ class Transfer:
         self._staged = staged
         self._shape = shape
         self._dtype = dtype
+        # CUDA destination: the raw handle of the stream its memory was allocated on.
+        self._stream = stream
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +132,10 @@ class Transfer:
         if _dev.capabilities(self._device).c_copies:
             self._event.wait(_dev.current_stream(self._device))
             assert self._result is not None
+            consumer = torch.cuda.current_stream(self._device)
+            if self._stream is not None and consumer.cuda_stream != self._stream:
+                self._result.record_stream(consumer)  # see the module docstring
+                self._stream = consumer.cuda_stream  # once per consumer stream
             return self._result
         self._event.synchronize()
         self._finish_staged()
@@ -164,10 +182,10 @@ def start_transfer(src: torch.Tensor, device: torch.device | str, *, force: bool
     ``device`` is returned as is. The caller must not modify ``src`` in place until the
     transfer is done (as with ``non_blocking=True`` copies in torch).
 
-    For a CUDA destination, call this with the *consumer's* stream current on
-    ``device`` (the destination is allocated on it, and ``wait()`` orders that stream
-    after the copy); using the result on other streams needs the usual
-    ``record_stream``/event care, as for any tensor in torch.
+    For a CUDA destination, ``wait()`` orders the stream current in the consumer's
+    thread after the copy, and tells the caching allocator about that stream when the
+    destination was allocated on another one; using the result on further streams needs
+    the usual ``record_stream``/event care, as for any tensor in torch.
     """
     device = _dev.normalize(device)
     collect_pending()
@@ -198,7 +216,7 @@ def start_transfer(src: torch.Tensor, device: torch.device | str, *, force: bool
 
 def _host_to_host(src: torch.Tensor, device: torch.device, nbytes: int) -> Transfer:
     dst = torch.empty(src.shape, dtype=src.dtype)
-    stream = _dev.copy_stream(device)
+    stream = _dev.copy_stream(device, "in")
     stream.copy(dst.data_ptr(), src.data_ptr(), nbytes, "h2h")
     done = stream.record_event()
     _defer(done, (src, dst))
@@ -220,7 +238,7 @@ def _consumer_free_event(device: torch.device) -> Any:
 def _host_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> Transfer:
     with _dev.device_context(device):
         dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    stream = _dev.copy_stream(device)
+    stream = _dev.copy_stream(device, "in")
     _consumer_free_event(device).wait(stream)
     keep: tuple[object, ...]
     if src.is_pinned():
@@ -233,13 +251,13 @@ def _host_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> Tra
     stream.copy(dst.data_ptr(), host_ptr, nbytes, "h2d")
     done = stream.record_event()
     _defer(done, keep + (dst,))
-    return Transfer(dst, device, done)
+    return Transfer(dst, device, done, stream=_dev.current_stream_handle(device))
 
 
 def _device_to_host(src: torch.Tensor, device: torch.device, nbytes: int) -> Transfer:
     ready = _C.Event()
     ready.record(_dev.current_stream(src.device))
-    stream = _dev.copy_stream(src.device)
+    stream = _dev.copy_stream(src.device, "out")
     ready.wait(stream)
     block = _dev.host_pool(pinned=_dev.capabilities(src.device).pinned).acquire(nbytes)
     stream.copy(block.ptr, src.data_ptr(), nbytes, "d2h")
@@ -253,7 +271,7 @@ def _device_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> T
     ready.record(_dev.current_stream(src.device))
     with _dev.device_context(device):
         dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    stream = _dev.copy_stream(device)
+    stream = _dev.copy_stream(device, "in")
     ready.wait(stream)
     _consumer_free_event(device).wait(stream)
     if src.device == device:
@@ -262,4 +280,4 @@ def _device_to_device(src: torch.Tensor, device: torch.device, nbytes: int) -> T
         stream.copy_peer(dst.data_ptr(), device.index, src.data_ptr(), src.device.index, nbytes)
     done = stream.record_event()
     _defer(done, (src, dst))
-    return Transfer(dst, device, done)
+    return Transfer(dst, device, done, stream=_dev.current_stream_handle(device))

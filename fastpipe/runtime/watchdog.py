@@ -71,6 +71,8 @@ class Watchdog:
         self.rank = rank
         self.failure: PipelineError | None = None
         self.on_fail: Callable[[str], None] | None = None
+        # Run after on_fail, once: what must not outlive a failed step (NCCL communicators).
+        self.aborts: list[Callable[[], object]] = []
         self._next_check = 0.0
 
     def published(self) -> str | None:
@@ -100,6 +102,9 @@ class Watchdog:
             if self.on_fail is not None:
                 with contextlib.suppress(Exception):  # best effort: peers still have the store and timeouts
                     self.on_fail(cause)
+            for abort in self.aborts:  # after on_fail: the abort headers travel on gloo first
+                with contextlib.suppress(Exception):
+                    abort()
         return self.failure
 
     def check(self) -> None:

@@ -94,3 +94,45 @@ def test_fp32_residual_stream_stays_fp32():
     torch.testing.assert_close(new_res, x.float() + r, rtol=0, atol=0)
     (out.float().sum() + new_res.sum()).backward()
     assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "op,cfg,n,expected",
+    [
+        ("norm_fwd", None, 4096, (1, 16)),  # the fallback as it is: 8 elements per thread
+        ("norm_fwd", None, 1024, (4, 16)),  # narrow rows: several per block
+        ("norm_fwd", None, 8192, (1, 16)),
+        ("norm_fwd", None, 16384, (1, 32)),  # 16 warps would hold 32 elements per thread
+        ("norm_fwd", None, 32768, None),  # too wide for one block of 32 warps: the PyTorch path
+        ("norm_fwd", None, 65536, None),
+        ("norm_bwd", None, 4096, (1, 16)),
+        ("norm_bwd", None, 16384, (1, 32)),
+        ("norm_bwd", None, 20000, None),
+        ("norm_fwd", dict(rows=4, num_warps=16), 4096, (4, 32)),  # a tuned 4 rows: more warps
+        ("norm_fwd", dict(rows=4, num_warps=16), 8192, (2, 32)),  # ... and cut to what fits
+    ],
+)
+def test_norm_launch_keeps_wide_rows_in_registers(monkeypatch, op, cfg, n, expected):
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the GPU's rule
+    got = configs.norm_launch(op, cfg or configs.FALLBACK[op], 1000, n)
+    assert got == expected
+
+
+@pytest.mark.parametrize("op", ["norm_fwd", "norm_bwd"])
+def test_norm_launch_never_exceeds_the_register_budget(monkeypatch, op):
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for bits in range(0, 17):
+        for cfg in [configs.FALLBACK[op], *configs.CANDIDATES[op]]:
+            launch = configs.norm_launch(op, cfg, 4096, 1 << bits)
+            if launch is None:
+                assert 1 << bits > 32 * configs.MAX_NORM_WARPS * configs.NORM_ELEMENTS_PER_THREAD[op]
+                continue
+            rows, warps = launch
+            assert warps <= configs.MAX_NORM_WARPS and warps >= cfg["num_warps"]
+            assert rows * (1 << bits) <= warps * 32 * configs.NORM_ELEMENTS_PER_THREAD[op]
+
+
+def test_norm_launch_under_the_interpreter_takes_the_config(monkeypatch):
+    monkeypatch.setattr(configs, "interpreting", lambda: True)
+    assert configs.norm_launch("norm_bwd", configs.FALLBACK["norm_bwd"], 1000, 65536) == (1, 16)
+    assert configs.norm_launch("norm_fwd", dict(rows=0, num_warps=1), 1000, 64) == (1024, 1)

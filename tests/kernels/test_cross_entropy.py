@@ -308,3 +308,106 @@ def test_fp16_gradients_with_a_loss_scale_are_as_good_as_eager():
     assert error(x.grad, xr.grad) <= 1.1 * error(xe.grad, xr.grad)
     assert error(w.grad, wr.grad) <= 1.1 * error(we.grad, wr.grad)
     assert (w.grad == 0).sum() <= (we.grad == 0).sum()
+
+
+class LiveWeightSized(TorchDispatchMode):
+    """Weak references to every tensor at least as large as the weight that an aten op produces."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.refs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.weight.numel():
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def alive(self) -> int:
+        import gc
+
+        gc.collect()
+        ptr = self.weight.untyped_storage().data_ptr()
+        live = [r() for r in self.refs]
+        return len({t.untyped_storage().data_ptr() for t in live if t is not None} - {ptr})
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_micro_batches_in_flight_hold_no_weight_sized_gradient(reduction):
+    # A pipeline's forward phase (GPipe, checkpoint="never") runs M forwards before any
+    # backward: one dW per micro-batch kept from forward held M x |W|.
+    torch.manual_seed(0)
+    w = torch.randn(300, 16, requires_grad=True)
+    xs = [torch.randn(8, 16, requires_grad=True) for _ in range(4)]
+    ts = [torch.randint(0, 300, (8,)) for _ in range(4)]
+    mode = LiveWeightSized(w)
+    with mode:
+        losses = [linear_cross_entropy(x, w, t, reduction=reduction) for x, t in zip(xs, ts)]
+    assert mode.alive() == 0
+    sum(losses).backward()
+    wr = w.detach().clone().requires_grad_()
+    sum(F.cross_entropy(x.detach() @ wr.t(), t, reduction=reduction) for x, t in zip(xs, ts)).backward()
+    assert_close_reordered(w.grad, wr.grad, k=8 * 4 + 16)
+
+
+@pytest.mark.gpu
+def test_cuda_forwards_in_flight_hold_no_weight_sized_gradient():
+    """Four forwards before any backward (a pipeline's forward phase) on the compiled path:
+    what they keep is far below one weight (it was one weight per forward)."""
+    tokens, hidden, vocab = 1024, 512, 32000
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.05).bfloat16().requires_grad_()
+    xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(4)]
+    ts = [torch.randint(0, vocab, (tokens,), device="cuda", generator=gen) for _ in range(4)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    losses = [linear_cross_entropy(x, w, t) for x, t in zip(xs, ts)]
+    held = torch.cuda.memory_allocated() - base
+    assert held < w.numel() * w.element_size() // 2, held
+    sum(losses).backward()
+    wr = w.detach().double().requires_grad_()
+    sum(F.cross_entropy(x.detach().double() @ wr.t(), t) for x, t in zip(xs, ts)).backward()
+    assert _rel(w.grad, wr.grad) <= 2e-2
+
+
+class _Head(torch.nn.Module):
+    """Holds the projection ``linear_cross_entropy`` applies in the loss (as an LM head does)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_pipeline_gets_each_micro_batch_s_weight_gradient_once(schedule, monkeypatch):
+    # zb-h1 runs the loss node twice per micro-batch (input pass, then weight pass): dW is
+    # computed in the first and handed to the second, not computed twice or lost.
+    import fastpipe.kernels.cross_entropy as ce
+    from fastpipe import Pipe
+
+    calls = []
+    real = ce._weight_grad
+    monkeypatch.setattr(ce, "_weight_grad", lambda *a: calls.append(1) or real(*a))
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), _Head(40, 16))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 40, (8,))
+    plain = build()
+    linear_cross_entropy(plain(x), plain[-1].weight, y).backward()
+    calls.clear()
+    model = build()
+    loss_fn = lambda h, t: linear_cross_entropy(h, model[-1].weight, t)  # noqa: E731
+    loss_fn.reduction = "mean"
+    Pipe(model, [2, 2], chunks=4).train_step(x, y, loss_fn, schedule=schedule)
+    assert len(calls) == 4
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        assert_close_reordered(got.grad, want.grad, k=64), name

@@ -24,3 +24,72 @@ def test_group_without_a_backend_is_gloo_for_cpu(tmp_path, backend):
         assert backend_for(group, "cpu") == "gloo"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_without_a_backend_for_the_stage_device_is_refused_with_advice(tmp_path):
+    # torch 2.13 on a CUDA host: init_process_group() without backend= configures cuda:nccl only.
+    from fastpipe.runtime.backend import require_backend
+
+    dist.init_process_group(backend="cuda:gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert backend_for(group, "cpu") == "undefined"
+        assert require_backend(group, "cuda") == "gloo"
+        with pytest.raises(ValueError, match='backend="cpu:gloo,cuda:nccl"'):
+            require_backend(group, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_abort_leaves_a_gloo_group_working(tmp_path):
+    import torch
+
+    from fastpipe.runtime.backend import abort_nccl
+
+    dist.init_process_group(backend="gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert abort_nccl(None) is False
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_abort_aborts_the_cuda_backend_of_an_nccl_group(monkeypatch):
+    import torch
+
+    from fastpipe.runtime import backend as backend_mod
+
+    calls = []
+
+    class FakeBackend:
+        def abort(self):
+            calls.append("abort")
+
+    class FakeGroup:
+        def _get_backend(self, device):
+            calls.append(str(device))
+            return FakeBackend()
+
+    monkeypatch.setattr(backend_mod, "backend_for", lambda group, device: {"cuda": "nccl"}[torch.device(device).type])
+    assert backend_mod.abort_nccl(FakeGroup()) is True
+    assert calls == ["cuda", "abort"]
+
+
+def test_abort_falls_back_to_torch_s_group_abort(monkeypatch):
+    import torch
+
+    from fastpipe.runtime import backend as backend_mod
+
+    aborted = []
+
+    class Group:
+        def _get_backend(self, device):
+            return object()  # a Backend binding without abort()
+
+    group = Group()
+    monkeypatch.setattr(backend_mod, "backend_for", lambda group, device: {"cuda": "nccl"}[torch.device(device).type])
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", aborted.append)
+    assert backend_mod.abort_nccl(group) is True
+    assert aborted == [group]

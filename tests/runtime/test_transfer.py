@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -113,3 +114,84 @@ def test_host_pool_is_shared():
     if not _C.backend_available("cuda"):
         with pytest.raises(RuntimeError, match="pinned memory needs the CUDA backend"):
             dev.host_pool(pinned=True)
+
+
+def test_copies_in_and_out_of_a_device_use_two_streams():
+    into, out = dev.copy_stream(CPU, "in"), dev.copy_stream(CPU, "out")
+    assert into is not out
+    assert into is dev.copy_stream(CPU) and out is dev.copy_stream("cpu", "out")
+    with pytest.raises(ValueError):
+        dev.copy_stream(CPU, "sideways")
+
+
+def _as_if_a_device(monkeypatch: pytest.MonkeyPatch, asked: list[tuple[torch.device, str]]) -> None:
+    """Let the host backend stand in for a device in transfer's H2D and D2H paths."""
+    from fastpipe.runtime import transfer
+
+    compute = _C.Stream(dev.HOST_DEVICE)  # the "current stream" of the device: idle
+    real = dev.copy_stream
+
+    def copy_stream(device: torch.device, direction: str = "in") -> _C.Stream:
+        asked.append((torch.device(device), direction))
+        return real(device, direction)
+
+    monkeypatch.setattr(transfer._dev, "copy_stream", copy_stream)
+    monkeypatch.setattr(transfer._dev, "current_stream", lambda device: compute)
+    monkeypatch.setattr(transfer._dev, "current_stream_handle", lambda device: 0)
+
+
+def test_a_copy_out_does_not_queue_behind_a_copy_in(monkeypatch):
+    from fastpipe.runtime import transfer
+
+    asked: list[tuple[torch.device, str]] = []
+    _as_if_a_device(monkeypatch, asked)
+    x = torch.randn(1000)
+    upload = transfer._host_to_device(x, CPU, x.numel() * 4)
+    assert asked == [(CPU, "in")]
+    dev.copy_stream(CPU, "in").delay(1.0)  # a long upload in flight
+    offload = transfer._device_to_host(x, CPU, x.numel() * 4)
+    assert asked[-1] == (CPU, "out")
+    start = time.monotonic()
+    assert torch.equal(offload.wait(), x)
+    assert time.monotonic() - start < 0.5  # did not wait for the upload's stream
+    assert torch.equal(upload.wait(), x)
+    synchronize_pending()
+
+
+class _FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+class _FakeResult:
+    def __init__(self) -> None:
+        self.recorded: list[int] = []
+
+    def record_stream(self, stream: _FakeStream) -> None:
+        self.recorded.append(stream.cuda_stream)
+
+
+class _DoneEvent:
+    def wait(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("allocated_on,recorded", [(7, []), (0, [7])])
+def test_the_consumer_stream_is_recorded_when_it_did_not_allocate(monkeypatch, allocated_on, recorded):
+    # A worker runs its stage on the caller's stream (7); the producer's thread allocated the
+    # destination on the default stream (0): without record_stream the allocator could hand
+    # that memory out again while the consumer still reads it.
+    from fastpipe.runtime import transfer
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(transfer._dev, "capabilities", lambda device: dev._CUDA)
+    monkeypatch.setattr(transfer._dev, "current_stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(7))
+    result = _FakeResult()
+    tr = Transfer(result, cuda0, _DoneEvent(), stream=allocated_on)  # type: ignore[arg-type]
+    assert tr.wait() is result
+    assert tr.wait() is result  # once per consumer stream
+    assert result.recorded == recorded

@@ -7,7 +7,10 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from _dist_utils import check_ok, run_ranks
+from torch import nn
 
 from fastpipe.errors import PipelineError
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
@@ -96,3 +99,45 @@ def test_send_reaper_drains_and_reports_a_failed_send(poll: bool) -> None:
     with pytest.raises(PipelineError, match="a send from rank 0 did not complete"):
         reaper.drain(dog)
     reaper.close()
+
+
+def test_a_failure_runs_the_aborts_once_after_telling_the_peers() -> None:
+    calls: list[str] = []
+    dog = Watchdog(None, "k", timeout=1.0, rank=0)
+    dog.on_fail = lambda cause: calls.append("poison")
+    dog.aborts += [lambda: calls.append("abort nccl"), lambda: 1 / 0, lambda: calls.append("abort dp")]
+    first = dog.fail("rank 1 died")
+    assert dog.fail("another cause") is first
+    assert calls == ["poison", "abort nccl", "abort dp"]  # a raising abort does not stop the others
+
+
+def _fails_in_its_loss(rank: int, world: int) -> dict:
+    import fastpipe.runtime.distributed as distributed
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    aborted: list[object] = []
+    distributed.abort_nccl = lambda group: aborted.append(group) or False  # type: ignore[assignment]
+    torch.manual_seed(0)
+    pipe = DistributedPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2, timeout=10)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.train_step(x, y, nn.MSELoss())
+    after_good_step = len(aborted)
+
+    def bad_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad loss")
+
+    try:
+        pipe.train_step(x, y, bad_loss)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = type(exc).__name__
+    else:
+        error = None
+    pipe.close()
+    return {"after_good_step": after_good_step, "aborted": [g is dist.group.WORLD for g in aborted], "error": error}
+
+
+def test_a_failed_step_aborts_the_pipeline_group_on_every_rank() -> None:
+    # On gloo the real abort_nccl leaves the group alone (test_backend.py); here it records.
+    for rank, got in enumerate(check_ok(run_ranks(_fails_in_its_loss, 2, timeout=60))):
+        assert got == {"after_good_step": 0, "aborted": [True], "error": got["error"]}, f"rank {rank}: {got}"
+        assert got["error"] in ("ValueError", "PipelineError"), f"rank {rank}: {got}"
