@@ -1,0 +1,143 @@
+"""``Pipe(..., schedule="auto")``: it measures once, runs the search's choice, and trains like the plain model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from fp_tolerance import assert_close_reordered
+from torch import nn
+
+from fastpipe import Pipe
+from fastpipe.auto_schedule import AutoSchedule
+from fastpipe.schedule import SCHEDULES
+from fastpipe.schedule.simulate import peak_memory
+
+# Reductions from input to loss plus the rows a weight gradient sums over (see tests/fp_tolerance.py).
+K = 8 + 16 + 16 + 16 + 8 + 8 * 16 + 16
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.LayerNorm(16),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 8),
+        nn.Linear(8, 8),
+        nn.ReLU(),
+    )
+
+
+def reference(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ref = model()
+    loss = nn.MSELoss()(ref(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad for p in ref.parameters() if p.grad is not None]
+
+
+def ticking() -> AutoSchedule:
+    """A search whose profiler's clock moves one unit per reading: every layer's F and backward cost 1,
+    and with a W share of 0.4 the greedy schedule is the fastest for 4 stages of 2 layers, 8 micro-batches."""
+    clock = itertools.count()
+    return AutoSchedule(weight_share=0.4, timer=lambda: float(next(clock)))
+
+
+def assert_matches_plain(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
+    loss_ref, grads_ref = reference(x, y)
+    assert_close_reordered(loss, loss_ref, k=K)
+    for (name, p), g in zip(pipe.named_parameters(), grads_ref):
+        assert_close_reordered(p.grad, g, k=K, msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("batch", [16, 15])  # 15 in 8 chunks: seven of 2 and one of 1
+def test_the_greedy_choice_trains_like_the_plain_model(checkpoint: str, batch: int) -> None:
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, checkpoint=checkpoint, schedule=ticking())
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    choice = pipe.auto_schedule.choice
+    assert choice is not None and choice.chosen.name == "greedy"
+    assert choice.chosen.time < min(c.time for c in choice.candidates if c.name != "greedy")
+    assert_matches_plain(pipe, x, y, loss)
+
+
+def test_auto_measures_once_and_remembers_each_choice() -> None:
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule="auto")
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    auto = pipe.auto_schedule
+    costs, choice = auto.costs, auto.choice
+    assert costs is not None and choice is not None
+    assert costs.num_stages == 4 and all(a > 0 for a in costs.activation)  # bytes saved for backward
+    assert choice.chosen.name in (*SCHEDULES, "greedy")
+    assert_matches_plain(pipe, x, y, loss)
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    assert auto.costs is costs and auto.choice is choice  # no second profile, no second search
+    assert_matches_plain(pipe, x, y, loss)
+    with pytest.warns(UserWarning, match="6 micro-batches"):
+        pipe.train_step(torch.randn(6, 8), torch.randn(6, 8), nn.MSELoss())
+    assert sorted(auto.choices) == [6, 8] and auto.choice is auto.choices[6] and auto.costs is costs
+
+
+def test_train_step_takes_auto_on_a_pipe_built_for_a_named_schedule() -> None:
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule="1f1b")
+    loss = pipe.train_step(x, y, nn.MSELoss(), schedule="auto")
+    assert pipe.auto_schedule.choice is not None
+    assert_matches_plain(pipe, x, y, loss)
+    searched = ticking()
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.train_step(x, y, nn.MSELoss(), schedule=searched)  # a search of its own, for this call
+    assert searched.choice is not None and searched.choice.chosen.name == "greedy"
+    assert_matches_plain(pipe, x, y, loss)
+
+
+def test_the_memory_limit_holds_and_one_nothing_fits_is_refused() -> None:
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    free = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=ticking())
+    free.train_step(x, y, nn.MSELoss())
+    assert free.auto_schedule.choice is not None and free.auto_schedule.costs is not None
+    activation = free.auto_schedule.costs.activation
+    greedy_peak = max(free.auto_schedule.choice.chosen.peak_memory)
+    limit = greedy_peak - 1  # the greedy schedule holds more than 1F1B: below its peak something leaner wins
+    lean = ticking()
+    lean.memory_limit = limit
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=lean)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    assert lean.choice is not None
+    assert max(peak_memory(lean.choice.schedule, activation)) <= limit
+    assert_matches_plain(pipe, x, y, loss)
+    tiny = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=AutoSchedule(memory_limit=1))
+    with pytest.raises(ValueError, match=r"schedule='auto': no schedule fits memory_limit=1.*bytes"):
+        tiny.train_step(x, y, nn.MSELoss())
+
+
+def test_auto_balance_with_auto_schedule() -> None:
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = Pipe(model(), balance="auto", devices=["cpu"] * 2, chunks=4, schedule="auto", sample=x)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    assert len(pipe.balance) == 2 and pipe.auto_schedule.choice is not None
+    assert_matches_plain(pipe, x, y, loss)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: Pipe(model(), balance=[2] * 4, schedule="auto", virtual_stages=2), ValueError, "drop virtual_stages"),
+        (lambda: Pipe(model(), balance=[2] * 4, schedule=3), TypeError, "schedule must be a schedule's name"),
+        (lambda: Pipe(model(), balance=[2] * 4, schedule="2f2b"), ValueError, "unknown schedule"),
+        (lambda: AutoSchedule(memory_limit=0), ValueError, "memory_limit must be a number of bytes > 0"),
+        (lambda: AutoSchedule(memory_limit="1GB"), ValueError, "memory_limit must be"),
+        (lambda: AutoSchedule(weight_share=1.0), ValueError, "weight_share must be in"),
+    ],
+)
+def test_bad_arguments_are_refused(make: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        make()  # type: ignore[operator]
