@@ -184,11 +184,12 @@ class Choice:
         assert self.chosen.schedule is not None  # a chosen candidate always ran
         return self.chosen.schedule
 
-    def table(self, memory_unit: str = "") -> str:
+    def table(self, memory_unit: str = "", memory_scale: float = 1.0) -> str:
         """The candidates as a text table, the chosen one marked with ``*``.
 
         Args:
-            memory_unit: a suffix for the peak-memory column (e.g. ``" MiB"`` for values in MiB).
+            memory_unit: a suffix for the peak-memory figures (e.g. ``" MiB"``).
+            memory_scale: the factor from the costs' memory unit to that one (``2**-20`` from bytes to MiB).
         """
         rows = [("", "schedule", "time", "bubble", "peak memory (max worker)", "")]
         for c in self.candidates:
@@ -197,13 +198,13 @@ class Choice:
                 rows.append((mark, c.label, "-", "-", "-", f"skipped: {c.skipped}"))
                 continue
             note = "" if c.fits else "over memory_limit"
-            peak = f"{max(c.peak_memory):.4g}{memory_unit}"
+            peak = f"{max(c.peak_memory) * memory_scale:.4g}{memory_unit}"
             rows.append((mark, c.label, f"{c.time:.4g}", f"{100 * c.bubble:.1f}%", peak, note))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             "  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + ("  " + r[5] if r[5] else "") for r in rows
         ]
-        limit = "none" if self.memory_limit is None else f"{self.memory_limit:.4g}{memory_unit}"
+        limit = "none" if self.memory_limit is None else f"{self.memory_limit * memory_scale:.4g}{memory_unit}"
         lines.append(f"chosen: {self.chosen.label} (memory_limit: {limit})")
         return "\n".join(line.rstrip() for line in lines)
 
@@ -309,7 +310,7 @@ def search(
             f"no schedule fits memory_limit={memory_limit}: the least peak per worker is "
             f"{max(least.peak_memory):.4g} ({least.label}) among those that ran; raise the limit, or cut the "
             "activations (checkpointing, smaller micro-batches)"
-            + "".join(f"; {c.label}: {c.skipped}" for c in candidates if c.skipped)
+            + "".join(f"; {c.skipped}" for c in candidates if c.skipped)
         )
     fastest = fitting[0].time
     tied = [c for c in fitting if c.time <= fastest * (1 + _REL_TOL)]

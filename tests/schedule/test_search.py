@@ -106,7 +106,7 @@ def test_the_chosen_schedule_fits_the_memory_limit(problem: tuple[StageCosts, in
 
 def test_a_limit_nothing_fits_is_refused_with_the_least_peak() -> None:
     costs = StageCosts.uniform(4, **UNEVEN, activation=2.0)
-    with pytest.raises(ScheduleError, match=r"no schedule fits memory_limit=1.*least peak.*greedy: .*below one"):
+    with pytest.raises(ScheduleError, match=r"no schedule fits memory_limit=1.*least peak.*; greedy: .*below one"):
         search(costs, 4, 8, memory_limit=1.0)
 
 
