@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from fastpipe.balance.profile import Timer, profile_layers
+from fastpipe.batchnorm import DeferredBatchNorm, accumulating_into
 from fastpipe.microbatch import Value
 from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.search import Choice, StageCosts, search
@@ -96,9 +97,19 @@ class AutoSchedule:
         """Profiles the stages' layers on ``microbatch`` (with its side inputs) and sums them per stage."""
         layers = [layer for stage in partitions for layer in stage]
         whole = {name: broadcast(value) for name, value in side.items()}  # already one micro-batch's
-        profile = profile_layers(
-            nn.Sequential(*layers), microbatch, repeats=self.repeats, side_inputs=whole, timer=self.timer
-        )
+        # Deferred BatchNorms count the profiled runs into a slot of their own, dropped after: the
+        # step's running statistics see only the step's micro-batches.
+        slot = object()
+        with accumulating_into(slot):
+            try:
+                profile = profile_layers(
+                    nn.Sequential(*layers), microbatch, repeats=self.repeats, side_inputs=whole, timer=self.timer
+                )
+            finally:
+                for layer in layers:
+                    for norm in layer.modules():
+                        if isinstance(norm, DeferredBatchNorm):
+                            norm.discard(slot)
         bounds = [0]
         for stage in partitions:
             bounds.append(bounds[-1] + len(stage))

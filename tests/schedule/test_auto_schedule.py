@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -125,6 +126,21 @@ def test_auto_balance_with_auto_schedule() -> None:
     loss = pipe.train_step(x, y, nn.MSELoss())
     assert len(pipe.balance) == 2 and pipe.auto_schedule.choice is not None
     assert_matches_plain(pipe, x, y, loss)
+
+
+def test_the_profile_leaves_deferred_batch_norm_statistics_alone() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[2, 2], chunks=4, deferred_batch_norm=True, schedule="auto")
+    x, y = torch.randn(16, 6) * 3 + 1, torch.randn(16, 4)
+    pipe.train_step(x, y, nn.MSELoss())  # profiles, then runs the step
+    ref(x)
+    assert pipe.auto_schedule.choice is not None
+    for key, value in ref.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            # Per-channel sums over 16 rows, per micro-batch then added, against one pass.
+            assert_close_reordered(pipe.state_dict()[key], value, k=16 + 6, msg=key)
 
 
 @pytest.mark.parametrize(
