@@ -2,7 +2,8 @@
 
 At the first ``train_step`` under ``"auto"`` the pipe's layers are profiled on that step's first
 micro-batch where they live (:func:`fastpipe.balance.profile_layers`: each layer's fastest forward
-and backward of a few passes, and the bytes it saves for backward). Summed per stage, these are
+and backward of a few passes, and the bytes it saves for backward; a skip's bytes count on the
+stage that stashes it and the one that pops it). Summed per stage, these are
 the costs :func:`fastpipe.schedule.search.search` simulates every candidate on; the fastest that
 fits ``memory_limit`` runs. The costs are measured once per :class:`AutoSchedule`; the choice is
 made once per number of micro-batches (a short last batch may make fewer) and kept::
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fastpipe.balance.profile import Timer, profile_layers
@@ -35,6 +37,8 @@ from fastpipe.microbatch import Value
 from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.search import Choice, StageCosts, search
 from fastpipe.side_inputs import broadcast
+from fastpipe.skip_memory import SkipSpan, measure_skips, skip_bytes
+from fastpipe.skips import has_skips
 
 __all__ = ["AUTO", "AutoRun", "AutoSchedule", "is_auto"]
 
@@ -100,11 +104,15 @@ class AutoSchedule:
         # Deferred BatchNorms count the profiled runs into a slot of their own, dropped after: the
         # step's running statistics see only the step's micro-batches.
         slot = object()
+        model = nn.Sequential(*layers)
+        spans: list[SkipSpan] = []
         with accumulating_into(slot):
             try:
-                profile = profile_layers(
-                    nn.Sequential(*layers), microbatch, repeats=self.repeats, side_inputs=whole, timer=self.timer
-                )
+                profile = profile_layers(model, microbatch, repeats=self.repeats, side_inputs=whole, timer=self.timer)
+                if has_skips(model):  # dropout in the skips' forward must not move the step's generators
+                    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+                    with torch.random.fork_rng(devices=cuda):
+                        spans = measure_skips(model, microbatch, **whole)
             finally:
                 for layer in layers:
                     for norm in layer.modules():
@@ -118,7 +126,10 @@ class AutoSchedule:
             return [float(sum(per_layer[a:b])) for a, b in zip(bounds, bounds[1:])]
 
         forward, backward = per_stage(profile.forward), per_stage(profile.backward)
-        activation = per_stage(profile.activation_bytes)
+        # A skip is held by the stage that stashes it and the one that pops it (as peak_memory counts it).
+        activation = [
+            a + skip_bytes(spans, b, e) for a, b, e in zip(per_stage(profile.activation_bytes), bounds, bounds[1:])
+        ]
         # A stage too fast for the clock still costs something: the search needs F, B > 0.
         tick = 1e-9
         return StageCosts.from_measured(

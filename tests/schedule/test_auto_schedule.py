@@ -10,8 +10,10 @@ import torch
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
+import fastpipe
 from fastpipe import Pipe
 from fastpipe.auto_schedule import AutoSchedule
+from fastpipe.balance import profile_layers
 from fastpipe.schedule import SCHEDULES
 from fastpipe.schedule.simulate import peak_memory
 
@@ -141,6 +143,32 @@ def test_the_profile_leaves_deferred_batch_norm_statistics_alone() -> None:
         if "running" in key or "num_batches" in key:
             # Per-channel sums over 16 rows, per micro-batch then added, against one pass.
             assert_close_reordered(pipe.state_dict()[key], value, k=16 + 6, msg=key)
+
+
+class Join(nn.Module):
+    """Adds the skip it pops to its input."""
+
+    def forward(self, x: torch.Tensor, **skips: torch.Tensor) -> torch.Tensor:
+        return x + skips["early"]
+
+
+def test_a_skip_counts_on_the_stages_that_hold_it_and_trains_like_the_plain_model() -> None:
+    torch.manual_seed(2)
+    layers = [nn.Linear(8, 8), fastpipe.stash("early"), nn.Linear(8, 8), nn.Tanh(), fastpipe.pops(Join(), "early")]
+    ref = fastpipe.Sequential(*layers)
+    pipe = Pipe(copy.deepcopy(ref), balance=[2, 2, 1], chunks=4, schedule="auto")
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    loss_ref = nn.MSELoss()(ref(x), y)
+    loss_ref.backward()
+    assert_close_reordered(loss, loss_ref.detach(), k=8 * 3 + 16)
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        assert_close_reordered(p.grad, q.grad, k=8 * 3 + 16)
+    costs = pipe.auto_schedule.costs
+    assert costs is not None
+    skip = 4 * 8 * 4  # one micro-batch of 4 rows, 8 floats each
+    saved = profile_layers(ref, x[:4]).activation_bytes  # per layer, skips not included
+    assert costs.activation == (saved[0] + saved[1] + skip, saved[2] + saved[3], saved[4] + skip)
 
 
 @pytest.mark.parametrize(
