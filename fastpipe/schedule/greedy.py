@@ -184,14 +184,15 @@ class _Greedy:
                 continue
             upcoming = min((due[0] for due in (due_b, due_f) if due is not None), default=math.inf)
             gap = max(upcoming - t, 0.0)
-            if self.pending[s] and (
-                gap >= self.w[s] * (1 - _EPS) or self.idle[s] + gap > max(self.idle) * (1 + _EPS) or gap == 0.0
-            ):
+            if self.pending[s] and (gap >= self.w[s] * (1 - _EPS) or self.idle[s] + gap > max(self.idle) * (1 + _EPS)):
                 self._issue(s, "W", self.pending[s].popleft(), t, self.w[s])
                 continue
-            # Nothing to run: wait for the next F or B (a lower bound, so the worker decides again then).
+            if math.isinf(upcoming):  # every F and B issued or blocked with no B due: cannot happen
+                raise ScheduleError(f"greedy: worker {s} has work left but nothing can become ready")
+            # Nothing to run: wait for the next F or B (a lower bound, so the worker decides again then),
+            # at least one float step, so that the loop moves on even where costs vanish next to t.
             self.idle[s] += gap
-            self.free[s] = upcoming
+            self.free[s] = max(upcoming, math.nextafter(t, math.inf))
         workers = tuple(tuple(actions) for actions in self.order)
         schedule = Schedule(GREEDY, self.k, self.m, self.k, workers)
         schedule.validate()

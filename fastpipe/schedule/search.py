@@ -227,19 +227,20 @@ def _named(costs: StageCosts, microbatches: int, names: Iterable[str], limit: fl
     found: list[Candidate] = []
     seen: set[tuple[tuple[object, ...], ...]] = set()
     for name in names:
-        reasons = []
+        reason = ""
+        built = False
         for virtual in (v for v in range(1, n + 1) if n % v == 0):
             try:
                 schedule = build_for(name, n, n // virtual, microbatches)
             except ScheduleError as exc:
-                reasons.append(str(exc))
+                reason = reason or str(exc)
                 continue
-            reasons.clear()
+            built = True
             if schedule.workers not in seen:
                 seen.add(schedule.workers)
                 found.append(_run(name, virtual, schedule, costs, limit))
-        if reasons and not any(c.name == name for c in found):
-            found.append(Candidate(name, 1, None, skipped=reasons[0]))
+        if not built:
+            found.append(Candidate(name, 1, None, skipped=reason))
     return found
 
 
