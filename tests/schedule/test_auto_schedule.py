@@ -171,6 +171,34 @@ def test_a_skip_counts_on_the_stages_that_hold_it_and_trains_like_the_plain_mode
     assert costs.activation == (saved[0] + saved[1] + skip, saved[2] + saved[3], saved[4] + skip)
 
 
+class Masked(nn.Module):
+    """Takes a per-sample mask and a table shared by every sample as side inputs."""
+
+    fastpipe_side_inputs = ("mask", "table")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * mask + table
+
+
+def test_side_inputs_reach_the_profile_and_the_step() -> None:
+    torch.manual_seed(4)
+    ref = fastpipe.Sequential(Masked(), nn.Linear(8, 8), Masked(), Masked())
+    pipe = Pipe(copy.deepcopy(ref), balance=[2, 1, 1], chunks=4, schedule="auto")
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    side = {"mask": (torch.rand(8, 8) > 0.3).float(), "table": torch.randn(1, 8)}
+    loss = pipe.train_step(x, y, nn.MSELoss(), **side)
+    loss_ref = nn.MSELoss()(ref(x, **side), y)
+    loss_ref.backward()
+    assert pipe.auto_schedule.choice is not None
+    assert_close_reordered(loss, loss_ref.detach(), k=8 * 4 + 8)
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        assert_close_reordered(p.grad, q.grad, k=8 * 4 + 8)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
