@@ -14,6 +14,11 @@ scheduler: the worker that is free first decides what it runs next.
   of all workers' (the paper's rule: a short W that delays the next B a little is worth it
   when this worker is the one the step waits on). Otherwise the worker waits. Once its F and
   B are done, the remaining W's run back to back.
+* **A bound on deferred W's** (``backlog``, none by default). The memory counted here is freed
+  at B, so nothing else makes a worker run its W's before its forwards: a slow stage can end
+  on a long run of them while the others wait. With ``backlog=n`` a worker that has n W's due
+  runs one before its next F. :func:`fastpipe.schedule.search.search` tries no bound and
+  1..K, and keeps the fastest.
 
 Memory counts as :func:`fastpipe.schedule.simulate.peak_memory` does: the activation of
 ``(stage, mb)`` is held from the start of its F to the end of its B. On one worker its F and B
@@ -65,6 +70,7 @@ def greedy_schedule(
     comm: float | Sequence[float] = 0.0,
     activation: float | Sequence[float] = 1.0,
     memory_limit: float | None = None,
+    backlog: int | Sequence[int] | None = None,
 ) -> Schedule:
     """The greedy zero-bubble schedule of ``stages`` workers, one stage each (see the module docstring).
 
@@ -78,6 +84,8 @@ def greedy_schedule(
         activation: memory one micro-batch's activation holds on each stage, in the units of
             ``memory_limit`` (:func:`~fastpipe.schedule.simulate.peak_memory`'s units).
         memory_limit: the most activation memory one worker may hold at once; ``None``: no limit.
+        backlog: the most W's a worker defers (a scalar or one per worker): with this many due, a W
+            runs before a ready F. ``None``: no bound (W's only fill gaps).
 
     Returns:
         A validated schedule named ``"greedy"``.
@@ -100,7 +108,14 @@ def greedy_schedule(
             f"greedy: memory_limit={memory_limit} is below one micro-batch's activation on stage {tight[0]} "
             f"({act[tight[0]]}); no forward fits"
         )
-    return _Greedy(stages, microbatches, f, b, w_cost, link, act, limit).run()
+    bounds = (
+        [math.inf] * stages if backlog is None else [backlog] * stages if isinstance(backlog, int) else list(backlog)
+    )
+    if len(bounds) != stages or any(
+        isinstance(n, bool) or not (n == math.inf or isinstance(n, int) and n >= 1) for n in bounds
+    ):
+        raise ScheduleError(f"greedy: backlog must be an integer >= 1, one per stage, or None; got {backlog!r}")
+    return _Greedy(stages, microbatches, f, b, w_cost, link, act, limit, [float(n) for n in bounds]).run()
 
 
 class _Greedy:
@@ -116,9 +131,11 @@ class _Greedy:
         link: list[float],
         act: list[float],
         limit: float,
+        backlog: list[float],
     ) -> None:
         self.k, self.m = k, m
         self.f, self.b, self.w, self.link, self.act, self.limit = f, b, w, link, act, limit
+        self.backlog = backlog
         self.free = [0.0] * k
         self.idle = [0.0] * k
         self.forwards = [0] * k  # F's issued (micro-batches in order)
@@ -174,6 +191,9 @@ class _Greedy:
                 self.backwards[s] += 1
                 self.held[s] -= self.act[s]
                 self.pending[s].append(mb)
+                continue
+            if len(self.pending[s]) >= self.backlog[s]:
+                self._issue(s, "W", self.pending[s].popleft(), t, self.w[s])
                 continue
             if due_f is not None and due_f[1] and due_f[0] <= t * (1 + _EPS):
                 mb = self.forwards[s]

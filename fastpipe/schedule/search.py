@@ -8,7 +8,8 @@ that fits:
   per worker on K/2, ...); a schedule whose constraints the arguments break (its
   :class:`~fastpipe.schedule.ir.ScheduleError`) is listed as skipped, with the reason;
 * the Zero Bubble paper's greedy scheduler (:mod:`fastpipe.schedule.greedy`) for these costs and
-  this memory limit, one stage per worker.
+  this memory limit, one stage per worker: the fastest of its variants (no bound on the W's a
+  worker defers, or a bound of 1 to K), listed as one candidate with its variant.
 
 Ties (within a relative 1e-9) go to the lower peak memory, then to a named schedule before the
 greedy one, then to the order of ``SCHEDULES``. Memory is counted as
@@ -28,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -147,6 +149,7 @@ class Candidate:
         peak_memory: per worker, the most activation memory alive at once.
         fits: whether every worker's peak is within the memory limit.
         skipped: why it does not apply (a :class:`ScheduleError`'s message), else ``""``.
+        variant: which of its variants ran, where the search tried several (the greedy one's backlog).
     """
 
     name: str
@@ -157,11 +160,14 @@ class Candidate:
     peak_memory: tuple[float, ...] = ()
     fits: bool = False
     skipped: str = ""
+    variant: str = ""
 
     @property
     def label(self) -> str:
-        """The name, with the stages per worker when there are several (``"interleaved v=2"``)."""
-        return self.name if self.virtual_stages == 1 else f"{self.name} v={self.virtual_stages}"
+        """The name, with the stages per worker when there are several (``"interleaved v=2"``) and the
+        variant of the greedy scheduler (``"greedy backlog=2"``)."""
+        label = self.name if self.virtual_stages == 1 else f"{self.name} v={self.virtual_stages}"
+        return f"{label} {self.variant}" if self.variant else label
 
 
 @dataclass(frozen=True)
@@ -244,6 +250,32 @@ def _named(costs: StageCosts, microbatches: int, names: Iterable[str], limit: fl
     return found
 
 
+def _greedy(costs: StageCosts, microbatches: int, limit: float | None) -> Candidate:
+    """The fastest of the greedy scheduler's variants that fits: W's only in gaps, or at most 1, 2, ...,
+    K of them deferred per worker (a bound that keeps a slow stage from ending on a run of W's)."""
+    k = costs.num_stages
+    found = []
+    for backlog in (None, *range(1, k + 1)):
+        try:
+            schedule = greedy_schedule(
+                k,
+                microbatches,
+                costs.forward,
+                costs.backward,
+                costs.weight,
+                costs.comm,
+                costs.activation,
+                limit,
+                backlog,
+            )
+        except ScheduleError as exc:
+            return Candidate(GREEDY, 1, None, skipped=str(exc))  # the limit, which no backlog changes
+        found.append(
+            dataclasses.replace(_run(GREEDY, 1, schedule, costs, limit), variant=f"backlog={backlog or 'none'}")
+        )
+    return min(found, key=lambda c: (not c.fits, c.time, max(c.peak_memory)))
+
+
 def search(
     costs: StageCosts,
     stages: int,
@@ -285,20 +317,7 @@ def search(
         raise ScheduleError(f"unknown schedules {unknown}; valid: {', '.join(SCHEDULES)}")
     candidates = _named(costs, microbatches, schedules, memory_limit)
     if greedy:
-        try:
-            schedule = greedy_schedule(
-                stages,
-                microbatches,
-                costs.forward,
-                costs.backward,
-                costs.weight,
-                costs.comm,
-                costs.activation,
-                memory_limit,
-            )
-            candidates.append(_run(GREEDY, 1, schedule, costs, memory_limit))
-        except ScheduleError as exc:
-            candidates.append(Candidate(GREEDY, 1, None, skipped=str(exc)))
+        candidates.append(_greedy(costs, microbatches, memory_limit))
     ran = [c for c in candidates if not c.skipped]
     rank = {id(c): i for i, c in enumerate(ran)}
     ran.sort(key=lambda c: (c.time, rank[id(c)]))

@@ -139,6 +139,8 @@ def test_a_tighter_limit_picks_a_leaner_schedule() -> None:
         (lambda: greedy_schedule(0, 4), "stages must be an integer >= 1"),
         (lambda: greedy_schedule(2, 4, forward=0.0), "forward cost must be finite and > 0"),
         (lambda: greedy_schedule(2, 4, memory_limit=0.5), "below one micro-batch's activation on stage 0"),
+        (lambda: greedy_schedule(2, 4, backlog=0), "backlog must be an integer >= 1"),
+        (lambda: greedy_schedule(2, 4, backlog=[1]), "backlog must be an integer >= 1, one per stage"),
     ],
 )
 def test_bad_arguments_are_refused(call: object, message: str) -> None:
@@ -187,6 +189,26 @@ def test_greedy_with_1f1b_memory_matches_zb_h1() -> None:
     zb = build("zb-h1", 8, 32)
     assert simulate(greedy).makespan == pytest.approx(simulate(zb).makespan)
     assert max(peak_memory(greedy, 1.0)) <= max(peak_memory(zb, 1.0))
+
+
+@pytest.mark.parametrize("backlog", [1, 2, [3, 1, 2]])
+def test_greedy_defers_no_more_w_than_its_backlog(backlog: int | list[int]) -> None:
+    schedule = greedy_schedule(3, 9, forward=[1.0, 2.0, 1.0], backward=1.5, weight=[2.0, 0.5, 1.0], backlog=backlog)
+    bounds = [backlog] * 3 if isinstance(backlog, int) else backlog
+    for w, actions in enumerate(schedule.workers):
+        due = 0
+        for a in actions:
+            assert a.kind != "F" or due < bounds[w], (w, a)  # with the backlog full, a W runs before any F
+            due += {"B": 1, "W": -1}.get(a.kind, 0)
+
+
+def test_the_search_keeps_the_fastest_greedy_variant() -> None:
+    costs = StageCosts.uniform(5, [0.6, 2.0, 1.2, 1.9, 1.7], [1.9, 1.0, 1.8, 0.8, 0.7], [0.3, 0.2, 1.6, 2.0, 1.1], 0.2)
+    args = (5, 11, costs.forward, costs.backward, costs.weight, costs.comm, costs.activation, 5.0)
+    times = {b: simulate(greedy_schedule(*args, backlog=b), *args[2:6]).makespan for b in (None, 1, 2, 3, 4, 5)}
+    chosen = next(c for c in search(costs, 5, 11, memory_limit=5.0).candidates if c.name == "greedy")
+    assert chosen.time == pytest.approx(min(times.values())) and chosen.time < times[None]
+    assert chosen.label.startswith("greedy backlog=")
 
 
 def test_greedy_with_room_for_one_activation_runs_one_micro_batch_at_a_time() -> None:
