@@ -1,12 +1,14 @@
 """``Pipe(..., schedule="auto")``: measure the stages once, then run the schedule the search picks.
 
 At the first ``train_step`` under ``"auto"`` the pipe's layers are profiled on that step's first
-micro-batch where they live (:func:`fastpipe.balance.profile_layers`: each layer's fastest forward
-and backward of a few passes, and the bytes it saves for backward; a skip's bytes count on the
-stage that stashes it and the one that pops it). Summed per stage, these are
-the costs :func:`fastpipe.schedule.search.search` simulates every candidate on; the fastest that
-fits ``memory_limit`` runs. The costs are measured once per :class:`AutoSchedule`; the choice is
-made once per number of micro-batches (a short last batch may make fewer) and kept::
+micro-batch where they live (:func:`fastpipe.balance.profile_layers`: each layer's fastest
+forward and backward of a few passes, and the bytes it saves for backward; a skip's bytes count
+on the stage that stashes it and on the one that pops it). Summed per stage, these are the
+costs :func:`fastpipe.schedule.search.search` simulates every candidate on; the fastest that
+fits ``memory_limit`` runs. The costs are measured once per :class:`AutoSchedule`; the choice
+is made once per number of micro-batches (a short last batch may make fewer) and kept. The
+search itself took about 1 s for 8 stages and 32 micro-batches, 5 s for 16 and 64, on a loaded
+2-core host (2026-12-01)::
 
     pipe = Pipe(model, balance=[2, 2, 2, 2], devices=["cpu"] * 4, chunks=8, schedule="auto")
     pipe.train_step(x, y, loss_fn)
@@ -17,9 +19,9 @@ What the measurements cannot tell, and what is assumed instead:
 * **B and W.** The profiler times one backward per layer; W's share of it is ``weight_share``
   (one half, as the balance planner takes it: a Linear layer's two gradients are two GEMMs of
   one shape).
-* **Links.** ``comm`` seconds per stage boundary, 0 by default: the local runtime hands an
-  activation to the next stage's thread by reference on one device, and copies across devices
-  on a stream of its own.
+* **Links.** ``comm`` seconds per stage boundary, 0 by default: on one device the local runtime
+  hands an activation to the next stage's thread by reference. Copies between devices are not
+  measured; give ``comm`` to price them.
 """
 
 from __future__ import annotations
@@ -80,11 +82,8 @@ class AutoSchedule:
         repeats: int = 3,
         timer: Timer | None = None,
     ) -> None:
-        if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
-            raise ValueError(f"fastpipe: memory_limit must be a number of bytes > 0 (or None), got {memory_limit!r}")
         if not 0.0 <= weight_share < 1.0:
             raise ValueError(f"fastpipe: weight_share must be in [0, 1) (W's part of the backward), got {weight_share}")
-        self.memory_limit = memory_limit
         self.weight_share = weight_share
         self.comm = comm
         self.repeats = repeats
@@ -92,6 +91,19 @@ class AutoSchedule:
         self.costs: StageCosts | None = None
         self.choice: Choice | None = None
         self.choices: dict[int, Choice] = {}
+        self.memory_limit = memory_limit
+
+    @property
+    def memory_limit(self) -> float | None:
+        """The limit searched under; setting it drops the choices made (the costs stay measured)."""
+        return self._memory_limit
+
+    @memory_limit.setter
+    def memory_limit(self, limit: float | None) -> None:
+        if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
+            raise ValueError(f"fastpipe: memory_limit must be a number of bytes > 0 (or None), got {limit!r}")
+        self._memory_limit = limit
+        self.choices.clear()
 
     def __repr__(self) -> str:
         chosen = self.choice.chosen.label if self.choice else None

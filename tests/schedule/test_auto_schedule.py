@@ -104,19 +104,22 @@ def test_train_step_takes_auto_on_a_pipe_built_for_a_named_schedule() -> None:
 
 def test_the_memory_limit_holds_and_one_nothing_fits_is_refused() -> None:
     x, y = torch.randn(16, 8), torch.randn(16, 8)
-    free = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=ticking())
-    free.train_step(x, y, nn.MSELoss())
-    assert free.auto_schedule.choice is not None and free.auto_schedule.costs is not None
-    activation = free.auto_schedule.costs.activation
-    greedy_peak = max(free.auto_schedule.choice.chosen.peak_memory)
-    limit = greedy_peak - 1  # the greedy schedule holds more than 1F1B: below its peak something leaner wins
-    lean = ticking()
-    lean.memory_limit = limit
-    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=lean)
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=ticking())
+    pipe.train_step(x, y, nn.MSELoss())
+    auto = pipe.auto_schedule
+    assert auto.choice is not None and auto.costs is not None
+    costs, free = auto.costs, auto.choice
+    limit = max(free.chosen.peak_memory) - 1  # below the greedy schedule's peak something leaner wins
+    auto.memory_limit = limit  # drops the choices, keeps the costs
+    assert auto.choices == {} and auto.costs is costs
+    for p in pipe.parameters():
+        p.grad = None
     loss = pipe.train_step(x, y, nn.MSELoss())
-    assert lean.choice is not None
-    assert max(peak_memory(lean.choice.schedule, activation)) <= limit
+    assert auto.costs is costs and auto.choice is not free
+    assert max(peak_memory(auto.choice.schedule, costs.activation)) <= limit
     assert_matches_plain(pipe, x, y, loss)
+    with pytest.raises(ValueError, match="memory_limit must be a number of bytes > 0"):
+        auto.memory_limit = -1.0
     tiny = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, schedule=AutoSchedule(memory_limit=1))
     with pytest.raises(ValueError, match=r"schedule='auto': no schedule fits memory_limit=1.*bytes"):
         tiny.train_step(x, y, nn.MSELoss())
