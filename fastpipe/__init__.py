@@ -16,6 +16,7 @@ from fastpipe._version import __version__
 # fastpipe._C need a finder of their own; an installed package has both and is left alone.
 _source_tree.install(Path(__file__).parent, __version__)
 
+from fastpipe.auto_schedule import AutoSchedule
 from fastpipe.batchnorm import DeferredBatchNorm
 from fastpipe.checkpoints import resume_or_start, save_checkpoint
 from fastpipe.commit import CheckpointCorruptError, latest
@@ -29,6 +30,7 @@ from fastpipe.step_rules import TokenLoss, token_loss
 
 __all__ = [
     "Pipe",
+    "AutoSchedule",
     "DistributedPipe",
     "PipelineError",
     "DeferredBatchNorm",

@@ -4,6 +4,7 @@ Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
     fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
     fastpipe plan --model mymodels:build --sample-shape 256,512 --partitions 4 --microbatches 8
+    fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule auto --memory-limit 2
     fastpipe train --schedule 1f1b --steps 300
     torchrun --nproc-per-node 2 -m fastpipe train --save ckpt --resume auto   # one process per stage
     fastpipe bench --quick --only e2e,schedules --out bench-out
@@ -13,6 +14,12 @@ With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a mod
 does) each layer is profiled on one micro-batch of a random sample, and the
 plan also shows each stage's peak memory: its activations for the micro-batches its worker
 keeps alive at once, plus parameters, gradients and optimizer state.
+
+``--schedule auto`` balances the layers for ZB-H1, then prints every schedule the search
+(:mod:`fastpipe.schedule.search`) considered on the stages' costs, with its simulated time,
+bubble and peak activation memory, and the one it chose. There ``--memory-limit`` caps the
+activations one worker holds at once: in bytes of saved tensors with ``--model``, in the units
+of ``--memory`` (one micro-batch's, per layer) with it, else in micro-batches alive.
 """
 
 from __future__ import annotations
@@ -135,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="balance per-layer costs over stages and predict the schedule",
         description="Balance layers over pipeline stages (the balance: layers per stage) and "
-        f"predict the schedule's step. Example: {_PLAN_EXAMPLE}",
+        "predict the schedule's step; --schedule auto lists the schedules a search simulated on the costs "
+        f"and the fastest that fits --memory-limit. Example: {_PLAN_EXAMPLE}",
         usage=_PLAN_USAGE,
         formatter_class=_HelpFormatter,
     )
@@ -159,11 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bwd-costs", type=_floats, default=None, help="backward cost per layer (default 2x forward)")
     p.add_argument("--partitions", type=int, help="pipeline workers K the layers are balanced over (required)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step M (required)")
-    p.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule the plan is for")
+    p.add_argument(
+        "--schedule",
+        default="gpipe",
+        choices=(*SCHEDULES, "auto"),
+        help="pipeline schedule the plan is for",
+    )
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per worker (interleaved)")
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
-    p.add_argument("--memory-limit", type=float, default=None, help="most bytes one stage may hold")
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="most bytes one stage may hold; with --schedule auto: most activation memory one worker holds at once "
+        "(bytes with --model, --memory's units with it, else micro-batches alive)",
+    )
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
+    p.add_argument(
+        "--weight-share", type=float, default=0.5, help="--schedule auto: W's part of each backward (the rest is B)"
+    )
     t = sub.add_parser(
         "train",
         help="train a character-level GPT on the standard library's sources through Pipe",
@@ -208,6 +230,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         fwd = args.costs
         bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
+    if args.schedule == "auto":
+        return _plan_auto(args, fwd, bwd, acts)
     schedule = build(args.schedule, args.partitions, args.microbatches, virtual_stages=args.virtual_stages)
     memory = args.memory
     if memory is None and acts is not None and params is not None:
@@ -270,6 +294,52 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(f"predicted bubble: {timeline.bubble_fraction:.1%}")
     print("peak activations (micro-batches alive) per worker: " + ", ".join(str(p) for p in timeline.peak_activations))
+    return 0
+
+
+def _plan_auto(args: argparse.Namespace, fwd: list[float], bwd: list[float], acts: list[float] | None) -> int:
+    """``--schedule auto``: the balance for ZB-H1, then the search's table on its stages and the choice."""
+    from fastpipe.schedule.search import StageCosts, search
+
+    if args.virtual_stages != 1:
+        raise ValueError("--schedule auto picks the stages per worker itself; drop --virtual-stages")
+    profiled = args.model is not None
+    balance = plan(
+        fwd,
+        bwd,
+        args.partitions,
+        microbatches=args.microbatches,
+        schedule="zb-h1",
+        comm=args.comm,
+        tolerance=MEASURED_TOLERANCE if profiled else 0.0,
+    )
+    ends = [sum(balance[: i + 1]) for i in range(len(balance))]
+
+    def per_stage(values: Sequence[float]) -> list[float]:
+        return [float(sum(values[end - size : end])) for end, size in zip(ends, balance)]
+
+    # Activation memory of one micro-batch per stage: profiled bytes (shown in MiB), given, or 1 (counts them).
+    scale, unit = (2**-20, " MiB") if acts is not None else (1.0, "")
+    given = acts if acts is not None else args.memory
+    activation = per_stage(given) if given is not None else [1.0] * len(balance)
+    costs = StageCosts.from_measured(
+        per_stage(fwd), per_stage(bwd), activation, weight_share=args.weight_share, comm=args.comm
+    )
+    choice = search(costs, len(balance), args.microbatches, args.memory_limit)
+    t = "s" if profiled else ""
+    print(f"balance: {balance} (planned for zb-h1)")
+    for stage, (f, b, w) in enumerate(zip(costs.forward, costs.backward, costs.weight)):
+        memory = f", activation {costs.activation[stage] * scale:.4g}{unit}" if given is not None else ""
+        print(f"  stage {stage}: F {f:.4g}{t}, B {b:.4g}{t}, W {w:.4g}{t}{memory}")
+    if given is None:
+        print("  (no --memory or --model: peak memory counts the micro-batches alive)")
+    print()
+    print(f"schedules considered for {args.microbatches} micro-batches (time and bubble simulated, peak per worker):")
+    print(choice.table(unit, scale))
+    print()
+    print(choice.schedule)
+    print()
+    print(f"predicted step: {choice.chosen.time:.4g}{t}, bubble {choice.chosen.bubble:.1%}")
     return 0
 
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from fastpipe.amp import loss_scale
 from fastpipe.asynchronous.fit_run import FitRun
+from fastpipe.auto_schedule import AutoRun, AutoSchedule, is_auto
 from fastpipe.balance.auto import resolve_balance
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
@@ -42,6 +43,7 @@ from fastpipe.step_rules import (
     checkpoint_predicate,
     microbatch_loss,
     microbatch_weights,
+    pipe_auto_schedule,
     pipe_schedule,
     split_targets,
 )
@@ -82,7 +84,8 @@ class Pipe(nn.Module):
             running statistics equal one pass over the whole mini-batch.
         trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
-            since its backward comes later, from autograd).
+            since its backward comes later, from autograd). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks
+            one from measured costs; ``pipe.auto_schedule`` has its choice (:mod:`fastpipe.auto_schedule`).
         virtual_stages: the default stages per worker of the ``"interleaved"`` schedule.
         sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
             costs are profiled on one micro-batch; of the splits within 5% of the least
@@ -90,8 +93,7 @@ class Pipe(nn.Module):
         memory_limit: with ``balance="auto"``: the most bytes (activations in flight plus
             parameters, gradients and optimizer state) one stage may need.
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
-        process_group, mesh: refused with a pointer to :class:`fastpipe.DistributedPipe`,
-            which runs one stage per process over ``torch.distributed`` (``torchrun``).
+        process_group, mesh: refused: :class:`fastpipe.DistributedPipe` runs one stage per process (``torchrun``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
@@ -113,7 +115,7 @@ class Pipe(nn.Module):
         checkpoint: Checkpoint = "except_last",
         deferred_batch_norm: bool = False,
         trace: bool = False,
-        schedule: str = "1f1b",
+        schedule: str | AutoSchedule = "1f1b",
         virtual_stages: int = 1,
         sample: Value | None = None,
         memory_limit: float | None = None,
@@ -142,14 +144,12 @@ class Pipe(nn.Module):
             memory_limit=memory_limit,
             side_inputs=sample_side_inputs,
             chunks=chunks,
-            schedule=schedule,
+            schedule="zb-h1" if is_auto(schedule) else str(schedule),  # "auto" then searches on this balance
             virtual_stages=virtual_stages,
         )
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(devices, len(balance))
-        # Fail here, not at the first train_step: the schedule's name and virtual stages (any
-        # micro-batch count that is a multiple of the workers satisfies every builder).
-        pipe_schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
+        self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -265,7 +265,7 @@ class Pipe(nn.Module):
         target: Any,
         loss_fn: Callable[[Any, Any], Tensor],
         *,
-        schedule: str | None = None,
+        schedule: str | AutoSchedule | None = None,
         virtual_stages: int | None = None,
         trace: bool | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -284,8 +284,7 @@ class Pipe(nn.Module):
             input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).
             target: split along dim 0 like ``input`` (tensor or tuple), or ``None``.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-            schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
-                (see :mod:`fastpipe.schedule`); default: the Pipe's ``schedule``.
+            schedule: a name of ``fastpipe.schedule.SCHEDULES`` or ``"auto"``; default: the Pipe's ``schedule``.
             virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
                 worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
@@ -308,6 +307,7 @@ class Pipe(nn.Module):
             len(self._stages),
             len(sizes),
             self.virtual_stages if virtual_stages is None else virtual_stages,
+            AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs),
         )
         self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(sizes))

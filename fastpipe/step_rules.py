@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from fastpipe.auto_schedule import AutoRun, AutoSchedule, is_auto
 from fastpipe.microbatch import batch_size, check_value, scatter
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for
@@ -53,6 +54,7 @@ __all__ = [
     "loss_weights",
     "split_targets",
     "pipe_schedule",
+    "pipe_auto_schedule",
     "TokenNormalised",
     "TokenLoss",
     "token_loss",
@@ -303,12 +305,20 @@ def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int
     return loss_weights(reduction, sizes)
 
 
-def pipe_schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+def pipe_schedule(
+    name: str | AutoSchedule, stages: int, microbatches: int, virtual_stages: int, auto: AutoRun | None = None
+) -> Schedule:
     """The schedule ``Pipe`` runs: ``name`` over ``stages``, ``virtual_stages`` to a worker.
 
-    The messages speak of Pipe's own arguments; :func:`~fastpipe.schedule.builders.build_for`
-    checks the rest.
+    ``"auto"`` (or an :class:`~fastpipe.auto_schedule.AutoSchedule`) runs the search's choice for
+    this step's micro-batches, which ``auto`` carries (the stages pick their own stages per worker,
+    so ``virtual_stages`` does not apply). The messages speak of Pipe's own arguments;
+    :func:`~fastpipe.schedule.builders.build_for` checks the rest.
     """
+    if is_auto(name):
+        if auto is None:
+            raise ValueError("fastpipe: schedule='auto' needs the stages and a step's micro-batches to measure on")
+        return auto.schedule(name)
     if virtual_stages < 1 or stages % virtual_stages:
         raise ValueError(
             f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
@@ -316,4 +326,27 @@ def pipe_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
         )
     if virtual_stages != 1 and name != "interleaved":
         raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
-    return build_for(name, stages, stages // virtual_stages, microbatches)
+    return build_for(str(name), stages, stages // virtual_stages, microbatches)
+
+
+def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> AutoSchedule:
+    """Checks ``Pipe``'s ``schedule`` and ``virtual_stages`` at construction, not at the first step.
+
+    Returns the pipe's :class:`~fastpipe.auto_schedule.AutoSchedule`: the one given, else a new one
+    that ``schedule="auto"`` (also in ``train_step``) searches with.
+
+    Raises:
+        ValueError: an unknown schedule, virtual stages it cannot take, or ``virtual_stages`` with
+            ``"auto"`` (which picks the stages per worker itself).
+    """
+    if is_auto(schedule):
+        if virtual_stages != 1:
+            raise ValueError(
+                f"fastpipe: schedule='auto' picks the stages per worker itself; drop virtual_stages={virtual_stages}"
+            )
+        return schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
+    if not isinstance(schedule, str):
+        raise TypeError(f"fastpipe: schedule must be a schedule's name, 'auto' or an AutoSchedule, got {schedule!r}")
+    # Any micro-batch count that is a multiple of the workers satisfies every builder.
+    pipe_schedule(schedule, stages, max(stages // max(virtual_stages, 1), 1), virtual_stages)
+    return AutoSchedule()

@@ -1,0 +1,87 @@
+"""``fastpipe plan --schedule auto``: the candidates with time, bubble and peak memory, the one chosen; refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastpipe import cli
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = cli.main(["plan", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_plan_auto_prints_every_candidate_and_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _plan(
+        capsys,
+        "--costs",
+        "1,2,3,4,1,1,2,2",
+        "--partitions",
+        "4",
+        "--microbatches",
+        "8",
+        "--schedule",
+        "auto",
+        "--comm",
+        "0.1",
+    )
+    assert status == 0
+    assert "balance: [2, 1, 2, 3] (planned for zb-h1)" in out
+    table = out[out.index("schedules considered") :]
+    for name in ("gpipe", "1f1b", "zb-h1", "interleaved v=2", "greedy"):
+        assert f" {name} " in table
+    assert "bubble" in table and "peak memory" in table
+    chosen = next(line for line in table.splitlines() if line.startswith("*"))
+    assert chosen.split()[1] == "greedy" and "chosen: greedy backlog=none (memory_limit: none)" in table
+    assert "greedy: 4 workers, 4 stages, 8 micro-batches" in out and "0W7" in out
+    assert "predicted step: 131.3, bubble 26.9%" in out
+
+
+def test_plan_auto_under_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--costs", "1,2,3,4", "--partitions", "2", "--microbatches", "8", "--schedule", "auto")
+    status, out, _ = _plan(capsys, *argv, "--memory-limit", "2")
+    assert status == 0
+    assert "chosen: zb-h1 (memory_limit: 2)" in out
+    assert next(line for line in out.splitlines() if " gpipe " in line).endswith("over memory_limit")
+    status, _, err = _plan(capsys, *argv, "--memory-limit", "0.5")
+    assert status == 2
+    assert "no schedule fits memory_limit=0.5" in err and "below one micro-batch's activation" in err
+
+
+def test_plan_auto_profiles_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _plan(
+        capsys,
+        "--model",
+        "_cli_model:build",
+        "--sample-shape",
+        "32,16",
+        "--partitions",
+        "2",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "auto",
+    )
+    assert status == 0
+    assert "activation" in out and "MiB" in out and "s, B " in out
+    assert "chosen: " in out and "predicted step: " in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--virtual-stages", "2"), "picks the stages per worker itself"),
+        (("--weight-share", "1.5"), "weight_share must be in"),
+        (("--memory-limit", "-1"), "memory_limit must be a number > 0"),
+    ],
+)
+def test_plan_auto_refuses_bad_arguments(
+    extra: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = _plan(
+        capsys, "--costs", "1,1,1,1", "--partitions", "2", "--microbatches", "4", "--schedule", "auto", *extra
+    )
+    assert status == 2
+    assert message in err
