@@ -44,6 +44,7 @@ from fastpipe.step_rules import (
     microbatch_weights,
     pipe_schedule,
     split_targets,
+    stage_devices,
 )
 from fastpipe.ties import TiedWeights, split_tied
 from fastpipe.trace import Timeline
@@ -68,8 +69,8 @@ class Pipe(nn.Module):
         module: the model; its layers are registered here under their own names, so
             ``pipe.state_dict()`` has the same keys as ``module.state_dict()``.
         balance: number of layers per stage, summing to ``len(module)``.
-        devices: one device per stage (may repeat). ``None``: one visible GPU per stage,
-            or CPU for every stage when there is no GPU.
+        devices: one device per stage (may repeat), or one per worker with ``virtual_stages`` > 1.
+            ``None``: one visible GPU per stage, or CPU for every stage when there is no GPU.
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a
             smaller last micro-batch; a batch that yields fewer micro-batches runs with
             fewer, with a one-time warning. The default, 1, does not pipeline: pass the
@@ -83,7 +84,7 @@ class Pipe(nn.Module):
         trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
             since its backward comes later, from autograd).
-        virtual_stages: the default stages per worker of the ``"interleaved"`` schedule.
+        virtual_stages: default stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``).
         sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
             costs are profiled on one micro-batch; of the splits within 5% of the least
             simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
@@ -146,10 +147,9 @@ class Pipe(nn.Module):
             virtual_stages=virtual_stages,
         )
         balance = check_balance(balance, len(module))
-        device_list = resolve_devices(devices, len(balance))
-        # Fail here, not at the first train_step: the schedule's name and virtual stages (any
-        # micro-batch count that is a multiple of the workers satisfies every builder).
-        pipe_schedule(schedule, len(balance), max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
+        device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
+        # Fail here, not at the first train_step (2 x workers micro-batches satisfy every builder).
+        pipe_schedule(schedule, len(balance), 2 * max(len(balance) // max(virtual_stages, 1), 1), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -284,10 +284,10 @@ class Pipe(nn.Module):
             input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).
             target: split along dim 0 like ``input`` (tensor or tuple), or ``None``.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-            schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
-                (see :mod:`fastpipe.schedule`); default: the Pipe's ``schedule``.
-            virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
-                worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
+            schedule: one of :data:`fastpipe.schedule.SCHEDULES` (``"1f1b"``, ``"zb-v"``, ...);
+                default: the Pipe's ``schedule``.
+            virtual_stages: stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``),
+                placed by the schedule; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
             scaler: a ``torch.amp.GradScaler``: the backward runs on the scaled loss, as
                 ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
@@ -390,7 +390,7 @@ class Pipe(nn.Module):
 
     @property
     def num_workers(self) -> int:
-        """Worker threads: one per stage, or per ``virtual_stages`` stages (stage s on worker s % workers)."""
+        """Worker threads: one per stage, or per ``virtual_stages`` stages (placed by the schedule)."""
         return len(self.balance) // self.virtual_stages
 
     def _after_forward(self) -> None:

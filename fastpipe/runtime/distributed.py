@@ -31,7 +31,7 @@ from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
-from fastpipe.runtime.ranks import check_nccl_device, order_matched
+from fastpipe.runtime.ranks import check_nccl_device, check_rank_stages, order_matched
 from fastpipe.runtime.skip_flow import share_skip_routes
 from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
@@ -67,8 +67,10 @@ class DistributedRuntime:
     """Runs this rank's share of every schedule step, in the calling thread.
 
     Args:
-        stages: the stages this rank holds, by index (stage ``s`` on group rank ``s % K``).
+        stages: the stages this rank holds, by index (stage ``s`` on group rank ``placement[s]``).
         num_stages: all stages of the pipeline.
+        placement: the group rank of each stage, as in the schedules it will run
+            (:attr:`~fastpipe.schedule.Schedule.placement`); default round robin, ``s % K``.
         group: the pipeline process group (default: WORLD).
         dp_group: optional data-parallel group of this rank's replicas; gradients are
             averaged over it (bucketed, started as each stage finishes its backward).
@@ -89,18 +91,17 @@ class DistributedRuntime:
         store: dist.Store | None = None,
         bucket_bytes: int = 25 << 20,
         recorder: Recorder | None = None,
+        placement: Sequence[int] | None = None,
     ) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_stages = num_stages
+        self.placement = check_rank_stages(placement, num_stages, self.size, self.rank, stages)
         self.stages = dict(stages)
         if any(st.device.type == "cpu" for st in self.stages.values()):
             tune_host_allocator()  # see fastpipe.runtime.host_alloc: page faults per step otherwise
-        wrong = [s for s in self.stages if s % self.size != self.rank]
-        if wrong:
-            raise ValueError(f"fastpipe: rank {self.rank} of {self.size} cannot hold stages {wrong}")
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
         # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
         # init_process_group() without backend=, which reports "undefined").
@@ -129,10 +130,12 @@ class DistributedRuntime:
         if self.ordered:
             if self.side_group is None:
                 self.side_group = self._gloo_side_group()
-            self.transport = OrderedTransport(self.group, self.side_group, num_stages, self.watchdog, device)
+            self.transport = OrderedTransport(
+                self.group, self.side_group, num_stages, self.watchdog, device, self.placement
+            )
             self.transport.connect()
         else:
-            self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
+            self.transport = P2PTransport(self.group, num_stages, self.watchdog, device, self.placement)
         self.transport.use_skips(share_skip_routes(self.stages, num_stages, self.control_group))  # fastpipe.skips
         self._plans: dict[Schedule, list[Step]] = {}
         self.bucket_bytes = bucket_bytes
@@ -194,12 +197,12 @@ class DistributedRuntime:
     @property
     def first_rank(self) -> int:
         """Group rank of stage 0 (reads the input)."""
-        return 0
+        return self.placement[0]
 
     @property
     def last_rank(self) -> int:
-        """Group rank of the last stage (reads the target, computes the loss)."""
-        return (self.num_stages - 1) % self.size
+        """Group rank of the last stage (reads the target, computes the loss; rank 0 in a V)."""
+        return self.placement[-1]
 
     def global_rank_of(self, group_rank: int) -> int:
         """The global rank of the pipeline group's rank ``group_rank``."""
@@ -291,6 +294,11 @@ class DistributedRuntime:
             raise ValueError(
                 f"fastpipe: schedule for {schedule.num_workers} workers / {schedule.num_stages} stages "
                 f"on a group of {self.size} ranks holding {self.num_stages} stages"
+            )
+        if schedule.placement != self.placement:
+            raise ValueError(
+                f"fastpipe: schedule {schedule.name!r} places the stages on ranks {list(schedule.placement)}, but "
+                f"this pipeline's ranks hold them as {list(self.placement)}; build the pipe with that schedule"
             )
         self.steps += 1
         state = StepState(schedule, caller or CallerState.capture(), step_seed, side)

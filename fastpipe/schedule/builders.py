@@ -20,7 +20,7 @@ from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 from fastpipe.schedule.placement import round_robin, v_shape
 from fastpipe.schedule.zero_bubble import dualpipev, zb_h2, zb_v
 
-__all__ = ["build_for", "SCHEDULES", "STAGES_PER_WORKER", "build"]
+__all__ = ["build_for", "SCHEDULES", "STAGES_PER_WORKER", "build", "placement_for"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 
@@ -211,3 +211,14 @@ def build_for(name: str, num_stages: int, num_workers: int, microbatches: int) -
             f"got {num_stages} stages"
         )
     return build(name, stages=num_workers, microbatches=microbatches, virtual_stages=virtual)
+
+
+def placement_for(name: str, num_stages: int, num_workers: int) -> tuple[int, ...]:
+    """The placement that :func:`build_for` gives ``name`` (a V for ``zb-v``/``dualpipev``, else round robin).
+
+    It needs no micro-batch count, so a rank can learn its stages before it knows the step; the
+    arguments are checked when the schedule is built.
+    """
+    if name.lower().replace("_", "-") in STAGES_PER_WORKER and num_stages == 2 * num_workers:
+        return v_shape(num_workers)
+    return round_robin(num_stages, num_workers)
