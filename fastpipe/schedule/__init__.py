@@ -12,7 +12,7 @@ Example::
 from fastpipe.schedule.builders import SCHEDULES, build
 from fastpipe.schedule.ir import Action, ActionKind, Schedule, ScheduleError
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
-from fastpipe.schedule.simulate import simulate, simulate_times
+from fastpipe.schedule.simulate import simulate, simulate_times, span_bubble_fraction
 from fastpipe.trace import Timeline, TimelineEvent
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "build_multistep",
     "simulate",
     "simulate_times",
+    "span_bubble_fraction",
     "update_lag",
     "weight_versions",
 ]
