@@ -24,8 +24,8 @@ def zb_h2(k: int, m: int) -> list[list[Action]]:
     The order is derived once for unit costs; other costs keep it (it stays valid), not its optimality.
     ::
 
-        K=2, M=4   w0: F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3
-                   w1:    F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+        K=2, M=4   w0: 0F0 0F1 0F2 0B0 0F3 0B1 0W0 0B2 0W1 0B3 0W2 0W3
+                   w1:     1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1W0 1W1 1W2 1W3
 
     Constraints: any ``K >= 1`` and ``M >= 1``; the span is bubble-free when ``M >= 2K - 1``.
     """
@@ -112,7 +112,7 @@ def zb_v(k: int, m: int) -> list[list[Action]]:
     ::
 
         K=2, M=4   w0 (stages 0, 3): 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 ...
-                   w1 (stages 1, 2): 1F0 2F0 1F1 2F1 2B0 2W0 2F1 ...
+                   w1 (stages 1, 2): 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 ...
 
     Constraints: exactly 2 stages per worker (2K stages); any ``K >= 1`` and ``M >= 1``. The order is built
     for ``max(M, 2K - 1)`` micro-batches and those past ``M`` dropped, so with ``M < 2K - 1`` the V is not

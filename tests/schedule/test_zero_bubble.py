@@ -92,3 +92,11 @@ def test_the_default_placement_is_round_robin() -> None:
     s = build("interleaved", 2, 4, virtual_stages=2)
     assert s.placement == (0, 1, 0, 1) and [s.worker_of(i) for i in range(4)] == [0, 1, 0, 1]
     assert dataclasses.replace(s, placement=()) == s
+
+
+@pytest.mark.parametrize("name", ["zb-h2", "zb-v"])
+def test_no_bubble_in_span_from_2k_minus_1_microbatches(name: str) -> None:
+    for k in range(1, 7):
+        for m in range(2 * k - 1, 2 * k + 5):
+            assert span_bubble_fraction(simulate(build(name, k, m))) < 1e-9, (name, k, m)
+    assert span_bubble_fraction(simulate(build(name, 4, 3))) > 0.05  # a V or a warm-up left unfilled
