@@ -11,7 +11,9 @@ batch 256, 8 micro-batches, ``fastpipe.bench.workload``) under:
 Every method is built once per process; each round runs one step of every method, in an order that
 rotates from round to round, each step timed between two barriers on rank 0. Per round, each
 fastpipe step is divided by its peer's step of the same round (``paired``), which cancels the drift
-between rounds; the medians over rounds are reported.
+between rounds; the medians over rounds are reported. Then a few traced steps of each fastpipe
+schedule give the measured bubble (both ranks' rows merged on one clock) beside the simulator's,
+priced with the per-action costs measured in those steps (``fastpipe.timing.simulate_measured``).
 
 Usage::
 
@@ -27,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -43,17 +46,44 @@ K = 2
 PAIRS = {"fastpipe zb-v": "pipelining ZBVZeroBubble", "fastpipe dualpipev": "pipelining DualPipeV"}
 
 
-def _fastpipe(rank: int, schedule: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def _fastpipe(rank: int, schedule: str, x: torch.Tensor, y: torch.Tensor) -> Callable[..., Any]:
     from fastpipe.distributed_pipe import DistributedPipe
 
     balance = [4, 4] if schedule == "1f1b" else [2, 2, 2, 2]
     pipe = DistributedPipe(make_model(), balance, chunks=CHUNKS, schedule=schedule, checkpoint="never")
 
-    def step() -> None:
+    def step(trace: bool = False) -> Any:
         pipe.zero_grad(set_to_none=True)
-        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, LOSS)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, LOSS, trace=trace)
+        return pipe.last_timeline
 
     return step
+
+
+def _bubbles(rank: int, methods: dict[str, Callable[..., Any]], steps: int) -> dict[str, dict[str, float]]:
+    """Measured bubble of traced fastpipe steps, and the simulator's from the costs measured in them.
+
+    Each rank records its own row; perf_counter is one monotonic clock for the processes of a host,
+    so rank 0 merges the rows into one timeline per step. The figures are medians over ``steps``.
+    """
+    from fastpipe.timing import simulate_measured
+    from fastpipe.trace import Timeline
+
+    out: dict[str, dict[str, float]] = {}
+    for name in ("fastpipe zb-v", "fastpipe dualpipev", "fastpipe 1f1b"):
+        measured, simulated = [], []
+        for _ in range(steps):
+            dist.barrier()
+            events = methods[name](trace=True).events
+            rows: list[Any] = [None] * K
+            dist.all_gather_object(rows, events)
+            merged = Timeline(K, [e for row in rows for e in row])
+            schedule = name.split()[1]
+            v = 1 if schedule == "1f1b" else 2
+            measured.append(merged.bubble_fraction)
+            simulated.append(simulate_measured(merged, schedule, K, CHUNKS, virtual_stages=v).bubble_fraction)
+        out[name] = {"measured": statistics.median(measured), "simulated": statistics.median(simulated)}
+    return out
 
 
 def _pipelining(rank: int, name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -102,9 +132,10 @@ def _worker(rank: int, port: int, warmup: int, rounds: int, out: str) -> None:
             dist.barrier()
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
+    bubbles = _bubbles(rank, methods, max(3, rounds // 3))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(times, f)
+            json.dump({"times": times, "bubbles": bubbles}, f)
     dist.destroy_process_group()
 
 
@@ -119,7 +150,9 @@ def main() -> None:
         out = os.path.join(tmp, "times.json")
         mp.start_processes(_worker, args=(free_port(), args.warmup, args.rounds, out), nprocs=K, start_method="spawn")
         with open(out) as f:
-            times: dict[str, list[float]] = json.load(f)
+            data = json.load(f)
+    times: dict[str, list[float]] = data["times"]
+    bubbles: dict[str, dict[str, float]] = data["bubbles"]
     load_after = os.getloadavg()
     med = {n: statistics.median(ts) for n, ts in times.items()}
     paired = {
@@ -140,10 +173,14 @@ def main() -> None:
         print(f"{name:30s} {t * 1e3:8.0f} ms")
     for name, ratio in paired.items():
         print(f"{name:50s} {ratio:6.3f}")
+    print("\nbubble of traced steps: measured, and simulated from the costs measured in the same steps")
+    for name, b in bubbles.items():
+        print(f"{name:30s} measured {b['measured']:6.1%}  simulated {b['simulated']:6.1%}")
     result = {
         "rounds": args.rounds,
         "median_s": med,
         "paired_ratio": paired,
+        "bubble": bubbles,
         "load_average": {"before": load_before, "after": load_after},
     }
     write_json(result, args.json)
