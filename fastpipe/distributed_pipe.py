@@ -9,8 +9,8 @@ part of it) and call :meth:`DistributedPipe.train_step` on every rank::
     loss = pipe.train_step(x, y, loss_fn)           # x read on stage 0's rank, y on the last
     opt.step()                                      # opt holds pipe.parameters(): this rank's stage
 
-Rank ``r`` of the pipeline group holds stage ``r``; with more stages than ranks
-(``len(balance) = K * v``, schedule ``"interleaved"``) it holds stages ``r, r+K, …``.
+Rank ``r`` holds the stages the schedule places there: stage ``r``; ``r, r+K, …`` for ``"interleaved"``
+(``len(balance) = K * v``); ``r`` and ``2K-1-r`` in the V of ``"zb-v"`` and ``"dualpipev"`` (2K stages).
 With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
 ``"dp"``), every stage's gradients are averaged over its data-parallel replicas.
 
@@ -44,7 +44,7 @@ from fastpipe.runtime.ranks import check_same_settings, gather_objects, pipeline
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.tie_group import RankTies
 from fastpipe.runtime.worker import CallerState
-from fastpipe.schedule.builders import build_for
+from fastpipe.schedule.builders import build_for, placement_for
 from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import (
     Checkpoint,
@@ -72,10 +72,10 @@ class DistributedPipe(nn.Module):
         module: the whole model. Layers of other ranks' stages are released
             (moved to the meta device), so build the full model once per host only when
             it fits; otherwise use :meth:`from_stage_builder`.
-        balance: layers per stage; ``len(balance)`` is the pipeline group size, or a multiple
-            of it with ``schedule="interleaved"``.
+        balance: layers per stage; ``len(balance)`` is the pipeline group size, a multiple
+            of it with ``schedule="interleaved"``, or twice it with ``"zb-v"``/``"dualpipev"``.
         chunks: micro-batches per mini-batch.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` or ``"interleaved"``.
+        schedule: one of :data:`fastpipe.schedule.SCHEDULES`; it fixes which stages this rank holds.
         checkpoint: as for :class:`fastpipe.Pipe`.
         process_group: the pipeline group (default: WORLD).
         mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
@@ -123,7 +123,7 @@ class DistributedPipe(nn.Module):
         if balance is None:
             raise TypeError(
                 "fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage "
-                "per pipeline rank, or a multiple of the ranks with schedule='interleaved')"
+                "per pipeline rank, a multiple of the ranks with schedule='interleaved', twice with 'zb-v')"
             )
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
@@ -140,7 +140,8 @@ class DistributedPipe(nn.Module):
             nccl = torch.cuda.is_available() and backend_for(group, "cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
-        mine = [s for s in range(len(balance)) if s % size == rank]
+        placed = placement_for(schedule, len(balance), size)
+        mine = [s for s, r in enumerate(placed) if r == rank]
         built: RankStages
         if _stage_modules is None:
             assert module is not None
@@ -164,9 +165,8 @@ class DistributedPipe(nn.Module):
             self.add_module(name, layer)
         stages = {s: Stage(p, self.device, clone_input=first_layer_in_place(p)) for s, p in built.stages.items()}
         self._stages = stages
-        self._runtime = DistributedRuntime(
-            stages, len(balance), group=group, dp_group=dp, timeout=timeout, bucket_bytes=bucket_bytes
-        )
+        kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
+        self._runtime = DistributedRuntime(stages, len(balance), **kw)
         settings = {
             "balance": balance,
             "chunks": chunks,
@@ -209,7 +209,8 @@ class DistributedPipe(nn.Module):
         group, _ = pipeline_groups(kwargs.get("process_group"), kwargs.get("mesh"), kwargs.get("dp_group"))
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         device = torch.device(kwargs.get("device") or "cpu")
-        modules = build_stages(builder, balance, range(rank, len(balance), size), device)
+        placement = placement_for(kwargs.get("schedule", "1f1b"), len(balance), size)
+        modules = build_stages(builder, balance, [s for s, r in enumerate(placement) if r == rank], device)
         return cls(None, balance, _stage_modules=modules, _ties=[tuple(t) for t in ties], **kwargs)
 
     @property
@@ -224,7 +225,7 @@ class DistributedPipe(nn.Module):
 
     @property
     def num_workers(self) -> int:
-        """The pipeline's ranks (one worker each; stage s on rank s % ranks)."""
+        """The pipeline's ranks (one worker each; the schedule's placement says which stages)."""
         return self._runtime.size
 
     @property

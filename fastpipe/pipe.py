@@ -46,6 +46,7 @@ from fastpipe.step_rules import (
     pipe_auto_schedule,
     pipe_schedule,
     split_targets,
+    stage_devices,
 )
 from fastpipe.ties import TiedWeights, split_tied
 from fastpipe.trace import Timeline
@@ -62,16 +63,15 @@ class Pipe(nn.Module):
         out = pipe(x)                 # equals model(x); lives on the last stage's device
         loss_fn(out, y).backward()    # gradients equal model's, on every stage
 
-    Every stage runs in its own worker thread, also when ``devices`` repeats a device,
-    so on a CPU K stages use K cores (with ``torch.set_num_threads(1)``). The backward
-    of each stage runs in that stage's worker, so stages overlap in backward too.
+    Every stage runs in its own worker thread, also when ``devices`` repeats a device (K stages
+    use K cores with ``torch.set_num_threads(1)``), its backward too, so stages overlap in both.
 
     Args:
         module: the model; its layers are registered here under their own names, so
             ``pipe.state_dict()`` has the same keys as ``module.state_dict()``.
         balance: number of layers per stage, summing to ``len(module)``.
-        devices: one device per stage (may repeat). ``None``: one visible GPU per stage,
-            or CPU for every stage when there is no GPU.
+        devices: one device per stage (may repeat), or one per worker with ``virtual_stages`` > 1.
+            ``None``: one visible GPU per stage, or CPU for every stage when there is no GPU.
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a
             smaller last micro-batch; a batch that yields fewer micro-batches runs with
             fewer, with a one-time warning. The default, 1, does not pipeline: pass the
@@ -86,7 +86,7 @@ class Pipe(nn.Module):
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
             since its backward comes later, from autograd). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks
             one from measured costs; ``pipe.auto_schedule`` has its choice (:mod:`fastpipe.auto_schedule`).
-        virtual_stages: the default stages per worker of the ``"interleaved"`` schedule.
+        virtual_stages: default stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``).
         sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
             costs are profiled on one micro-batch; of the splits within 5% of the least
             simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
@@ -99,10 +99,9 @@ class Pipe(nn.Module):
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has the wrong type.
         ValueError: ``balance``, ``devices``, ``chunks`` or ``checkpoint`` is invalid.
 
-    A parameter, buffer or module that layers on several stages share (a tied embedding)
-    stays one tensor for ``parameters()`` and ``state_dict()``: the other stages read copies,
-    refreshed before each step, and its gradient is the sum over all uses
-    (:mod:`fastpipe.ties`).
+    A parameter, buffer or module that layers on several stages share (a tied embedding) stays one
+    tensor for ``parameters()`` and ``state_dict()``: the other stages read copies, refreshed before
+    each step, and its gradient is the sum over all uses (:mod:`fastpipe.ties`).
     """
 
     def __init__(
@@ -148,7 +147,7 @@ class Pipe(nn.Module):
             virtual_stages=virtual_stages,
         )
         balance = check_balance(balance, len(module))
-        device_list = resolve_devices(devices, len(balance))
+        device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
         self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
@@ -284,9 +283,10 @@ class Pipe(nn.Module):
             input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).
             target: split along dim 0 like ``input`` (tensor or tuple), or ``None``.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-            schedule: a name of ``fastpipe.schedule.SCHEDULES`` or ``"auto"``; default: the Pipe's ``schedule``.
-            virtual_stages: stages per worker for ``"interleaved"``; stage ``s`` then runs on
-                worker ``s % (len(balance) // virtual_stages)``; default: the Pipe's.
+            schedule: one of :data:`fastpipe.schedule.SCHEDULES` (``"1f1b"``, ``"zb-v"``, ...) or ``"auto"``;
+                default: the Pipe's ``schedule``.
+            virtual_stages: stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``),
+                placed by the schedule; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).
             scaler: a ``torch.amp.GradScaler``: the backward runs on the scaled loss, as
                 ``scaler.scale(loss).backward()`` would, and the returned loss is unscaled;
@@ -390,7 +390,7 @@ class Pipe(nn.Module):
 
     @property
     def num_workers(self) -> int:
-        """Worker threads: one per stage, or per ``virtual_stages`` stages (stage s on worker s % workers)."""
+        """Worker threads: one per stage, or per ``virtual_stages`` stages (placed by the schedule)."""
         return len(self.balance) // self.virtual_stages
 
     def _after_forward(self) -> None:

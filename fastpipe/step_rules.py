@@ -36,12 +36,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from fastpipe.auto_schedule import AutoRun, AutoSchedule, is_auto
 from fastpipe.microbatch import batch_size, check_value, scatter
 from fastpipe.schedule import Schedule
-from fastpipe.schedule.builders import build_for
+from fastpipe.schedule.builders import STAGES_PER_WORKER, build_for
+from fastpipe.schedule.placement import round_robin, v_shape
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -55,6 +57,7 @@ __all__ = [
     "split_targets",
     "pipe_schedule",
     "pipe_auto_schedule",
+    "stage_devices",
     "TokenNormalised",
     "TokenLoss",
     "token_loss",
@@ -313,7 +316,8 @@ def pipe_schedule(
     ``"auto"`` (or an :class:`~fastpipe.auto_schedule.AutoSchedule`) runs the search's choice for
     this step's micro-batches, which ``auto`` carries (the stages pick their own stages per worker,
     so ``virtual_stages`` does not apply). The messages speak of Pipe's own arguments;
-    :func:`~fastpipe.schedule.builders.build_for` checks the rest.
+    :func:`~fastpipe.schedule.builders.build_for` checks the rest. ``zb-v`` and ``dualpipev`` hold
+    2 stages per worker in a V, so they need ``virtual_stages=2`` and ``len(balance) = 2 x workers``.
     """
     if is_auto(name):
         if auto is None:
@@ -324,8 +328,19 @@ def pipe_schedule(
             f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
             "len(balance) must be a multiple of virtual_stages"
         )
-    if virtual_stages != 1 and name != "interleaved":
-        raise ValueError(f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved' schedule")
+    key = str(name).lower().replace("_", "-")
+    own = STAGES_PER_WORKER.get(key)
+    if own is not None and virtual_stages != own:
+        raise ValueError(
+            f"fastpipe: schedule {key!r} places {own} stages on each worker in a V (stages w and 2K-1-w on "
+            f"worker w): pass virtual_stages={own} and a balance of {own} x workers entries; got "
+            f"virtual_stages={virtual_stages} with {stages} stages"
+        )
+    if virtual_stages != 1 and own is None and name != "interleaved":
+        raise ValueError(
+            f"fastpipe: virtual_stages={virtual_stages} only applies to the 'interleaved', 'zb-v' and 'dualpipev' "
+            "schedules"
+        )
     return build_for(str(name), stages, stages // virtual_stages, microbatches)
 
 
@@ -347,6 +362,32 @@ def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> Au
         return schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
     if not isinstance(schedule, str):
         raise TypeError(f"fastpipe: schedule must be a schedule's name, 'auto' or an AutoSchedule, got {schedule!r}")
-    # Any micro-batch count that is a multiple of the workers satisfies every builder.
-    pipe_schedule(schedule, stages, max(stages // max(virtual_stages, 1), 1), virtual_stages)
+    # 2 x workers micro-batches satisfy every builder (dualpipev needs at least that many).
+    pipe_schedule(schedule, stages, 2 * max(stages // max(virtual_stages, 1), 1), virtual_stages)
     return AutoSchedule()
+
+
+def stage_devices(devices: Sequence[Any] | None, stages: int, schedule: object, virtual_stages: int) -> Any:
+    """``devices`` as one entry per stage, for :func:`fastpipe.partition.resolve_devices`.
+
+    With several stages per worker (``virtual_stages > 1``) a list of one device per worker
+    (``stages // virtual_stages`` entries) is spread by the schedule's placement: a V puts stages
+    ``w`` and ``2K-1-w`` on device ``w``, round robin stage ``s`` on device ``s % K``. ``None``
+    then means one visible GPU per worker (CPU without GPUs). Any other list is per stage.
+    """
+    if virtual_stages < 1 or stages % virtual_stages:
+        return devices  # refused with its own message by pipe_schedule
+    workers = stages // virtual_stages
+    if virtual_stages == 1:
+        return devices
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or count >= stages:
+            return devices
+        devices = [torch.device("cuda", i) for i in range(workers)]
+    if isinstance(devices, (str, int, torch.device)) or len(list(devices)) != workers:
+        return devices
+    key = schedule.lower().replace("_", "-") if isinstance(schedule, str) else schedule
+    placement = v_shape(workers) if key in STAGES_PER_WORKER else round_robin(stages, workers)
+    per_worker = list(devices)
+    return [per_worker[w] for w in placement]

@@ -1,9 +1,9 @@
 """Simulated bubble fraction and peak activations of every schedule.
 
-Unit costs per stage and micro-batch: F = 1, B = 1, W = 1 (BW = 2), no link delay. For ``interleaved``
-(v = 2 virtual stages per worker) each stage chunk costs half, so every schedule does the same work per
-worker. Peak activations count (stage, micro-batch) pairs alive on a worker (see
-``fastpipe.trace.Timeline.peak_activations``); an interleaved chunk holds half a stage's activation, so its
+Unit costs per stage and micro-batch: F = 1, B = 1, W = 1 (BW = 2), no link delay. For ``interleaved``,
+``zb-v`` and ``dualpipev`` (v = 2 stages per worker) each stage chunk costs half, so every schedule does
+the same work per worker. Peak activations count (stage, micro-batch) pairs alive on a worker (see
+``fastpipe.trace.Timeline.peak_activations``); a chunk of v per worker holds 1/v of a stage's activation, so its
 "equivalent micro-batches" (the last column) are peak / v.
 
 Usage::
@@ -20,6 +20,7 @@ from typing import Any
 
 from fastpipe.plotting import pyplot
 from fastpipe.schedule import SCHEDULES, build, simulate
+from fastpipe.schedule.builders import STAGES_PER_WORKER
 
 __all__ = ["main", "run", "plot"]
 
@@ -32,10 +33,10 @@ def run(workers: Sequence[int] = WORKERS, microbatches: Sequence[int] = MICROBAT
     """Simulates every schedule for every (K, M); returns one row per combination."""
     rows = []
     for name in SCHEDULES:
-        v = VIRTUAL if name == "interleaved" else 1
+        v = VIRTUAL if name == "interleaved" else STAGES_PER_WORKER.get(name, 1)
         for k in workers:
             for m in microbatches:
-                if name == "interleaved" and m % k:
+                if (name == "interleaved" and m % k) or (name == "dualpipev" and m < 2 * k):
                     continue
                 t = simulate(build(name, k, m, virtual_stages=v), forward=1 / v, backward=1 / v, weight=1 / v)
                 rows.append(
@@ -69,15 +70,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
 # Schedules coincide on some panels (1f1b and zb-h1 keep the same activations), so each series
 # has its own marker, line style and marker size: hollow markers, largest first, stay visible as
 # concentric shapes where points coincide, and a dotted line over a dashed one still shows both.
-_MARKERS = ("o", "s", "^", "D", "v", "P")
-_LINES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2, 4, 2)))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2, 4, 2)), (0, (3, 1, 1, 1)), (0, (8, 2)))
 
 
 def _style(index: int) -> dict[str, Any]:
     return {
         "marker": _MARKERS[index % len(_MARKERS)],
         "linestyle": _LINES[index % len(_LINES)],
-        "markersize": max(11 - 2 * index, 4),
+        "markersize": max(12 - 1.25 * index, 3),
         "markerfacecolor": "none",
         "markeredgewidth": 1.5,
         "linewidth": 1.5,

@@ -32,7 +32,7 @@ from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
-from fastpipe.runtime.ranks import check_nccl_device, order_matched
+from fastpipe.runtime.ranks import check_nccl_device, check_rank_stages, check_same_transport, order_matched
 from fastpipe.runtime.skip_flow import share_skip_routes
 from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepState
 from fastpipe.runtime.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
@@ -68,8 +68,10 @@ class DistributedRuntime:
     """Runs this rank's share of every schedule step, in the calling thread.
 
     Args:
-        stages: the stages this rank holds, by index (stage ``s`` on group rank ``s % K``).
+        stages: the stages this rank holds, by index (stage ``s`` on group rank ``placement[s]``).
         num_stages: all stages of the pipeline.
+        placement: the group rank of each stage, as in the schedules it will run
+            (:attr:`~fastpipe.schedule.Schedule.placement`); default round robin, ``s % K``.
         group: the pipeline process group (default: WORLD).
         dp_group: optional data-parallel group of this rank's replicas; gradients are
             averaged over it (bucketed, started as each stage finishes its backward).
@@ -90,18 +92,17 @@ class DistributedRuntime:
         store: dist.Store | None = None,
         bucket_bytes: int = 25 << 20,
         recorder: Recorder | None = None,
+        placement: Sequence[int] | None = None,
     ) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_stages = num_stages
+        self.placement = check_rank_stages(placement, num_stages, self.size, self.rank, stages)
         self.stages = dict(stages)
         if any(st.device.type == "cpu" for st in self.stages.values()):
             tune_host_allocator()  # see fastpipe.runtime.host_alloc: page faults per step otherwise
-        wrong = [s for s in self.stages if s % self.size != self.rank]
-        if wrong:
-            raise ValueError(f"fastpipe: rank {self.rank} of {self.size} cannot hold stages {wrong}")
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
         # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
         # init_process_group() without backend=, which reports "undefined").
@@ -126,7 +127,7 @@ class DistributedRuntime:
         # A failed step aborts the NCCL communicators (gloo groups are left as they are): a
         # GPU stream waiting on a hung peer's payload would block every later sync otherwise.
         self.watchdog.aborts += [functools.partial(abort_nccl, g) for g in (self.group, self.dp_group) if g is not None]
-        self._check_same_transport()
+        check_same_transport(self.ordered, self.control_group)
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
         routes = share_skip_routes(self.stages, num_stages, self.control_group)  # fastpipe.skips
@@ -136,11 +137,13 @@ class DistributedRuntime:
         if self.ordered:
             if self.side_group is None:
                 self.side_group = self._gloo_side_group()
-            self.transport = OrderedTransport(self.group, self.side_group, num_stages, self.watchdog, device)
+            self.transport = OrderedTransport(
+                self.group, self.side_group, num_stages, self.watchdog, device, self.placement
+            )
             self.transport.use_skips(routes)
             self.transport.connect()
         else:
-            self.transport = P2PTransport(self.group, num_stages, self.watchdog, device)
+            self.transport = P2PTransport(self.group, num_stages, self.watchdog, device, self.placement)
             self.transport.use_skips(routes)
         self._plans: dict[Schedule, list[Step]] = {}
         self.bucket_bytes = bucket_bytes
@@ -181,17 +184,6 @@ class DistributedRuntime:
                 f"{self.timeout:g} s (a rank died, hangs or failed its set-up): {exc}"
             ) from exc
 
-    def _check_same_transport(self) -> None:
-        """All ranks must match messages the same way (``FASTPIPE_P2P`` is read on each rank)."""
-        modes: list[Any] = [None] * self.size
-        dist.all_gather_object(modes, "ordered" if self.ordered else "tags", group=self.control_group)
-        if len(set(modes)) > 1:
-            per_rank = ", ".join(f"rank {self.global_rank_of(r)}: {m}" for r, m in enumerate(modes))
-            raise ValueError(
-                f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
-                "FASTPIPE_P2P the same on every rank, or unset it"
-            )
-
     def _abort_key(self) -> str:
         """One key per pipeline (all its data-parallel replicas): chosen by replica 0's rank 0."""
         name = [f"fastpipe/abort/{uuid.uuid4().hex}"]
@@ -204,12 +196,12 @@ class DistributedRuntime:
     @property
     def first_rank(self) -> int:
         """Group rank of stage 0 (reads the input)."""
-        return 0
+        return self.placement[0]
 
     @property
     def last_rank(self) -> int:
-        """Group rank of the last stage (reads the target, computes the loss)."""
-        return (self.num_stages - 1) % self.size
+        """Group rank of the last stage (reads the target, computes the loss; rank 0 in a V)."""
+        return self.placement[-1]
 
     def global_rank_of(self, group_rank: int) -> int:
         """The global rank of the pipeline group's rank ``group_rank``."""
@@ -301,6 +293,11 @@ class DistributedRuntime:
             raise ValueError(
                 f"fastpipe: schedule for {schedule.num_workers} workers / {schedule.num_stages} stages "
                 f"on a group of {self.size} ranks holding {self.num_stages} stages"
+            )
+        if schedule.placement != self.placement:
+            raise ValueError(
+                f"fastpipe: schedule {schedule.name!r} places the stages on ranks {list(schedule.placement)}, but "
+                f"this pipeline's ranks hold them as {list(self.placement)}; build the pipe with that schedule"
             )
         self.steps += 1
         state = StepState(schedule, caller or CallerState.capture(), step_seed, side)

@@ -78,17 +78,26 @@ class P2PTransport(Transport):
     receives with dummies and sends the payload again on fresh tags, sized by the header.
 
     Args:
-        group: the pipeline process group; stage ``s`` lives on group rank ``s % size``.
+        group: the pipeline process group; stage ``s`` lives on group rank ``placement[s]``.
         num_stages: stages in the pipeline.
         watchdog: bounds every wait.
         device: where received tensors land (CPU for gloo, this rank's GPU for NCCL).
+        placement: the group rank of each stage (default round robin, ``s % size``).
     """
 
-    def __init__(self, group: Any, num_stages: int, watchdog: Watchdog, device: torch.device) -> None:
+    def __init__(
+        self,
+        group: Any,
+        num_stages: int,
+        watchdog: Watchdog,
+        device: torch.device,
+        placement: Sequence[int] | None = None,
+    ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.num_stages = num_stages
+        self.placement = tuple(placement) if placement is not None else tuple(s % self.size for s in range(num_stages))
         self.watchdog = watchdog
         self.device = device
         self._local: dict[tuple[int, int, int], Any] = {}
@@ -107,7 +116,7 @@ class P2PTransport(Transport):
 
     def owner(self, stage: int) -> int:
         """Group rank holding ``stage``."""
-        return stage % self.size
+        return self.placement[stage]
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)

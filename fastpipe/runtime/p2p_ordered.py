@@ -47,10 +47,17 @@ class OrderedTransport(P2PTransport):
         num_stages: stages in the pipeline.
         watchdog: bounds every wait.
         device: where payloads live (this rank's GPU for NCCL).
+        placement: the group rank of each stage (default round robin).
     """
 
     def __init__(
-        self, group: Any, header_group: Any, num_stages: int, watchdog: Watchdog, device: torch.device
+        self,
+        group: Any,
+        header_group: Any,
+        num_stages: int,
+        watchdog: Watchdog,
+        device: torch.device,
+        placement: Sequence[int] | None = None,
     ) -> None:
         if backend_for(header_group, "cpu") != "gloo":
             raise ValueError("fastpipe: the header group of an ordered transport must be a gloo group")
@@ -58,7 +65,7 @@ class OrderedTransport(P2PTransport):
             dist.get_global_rank(header_group, r) for r in range(dist.get_world_size(header_group))
         ]:
             raise ValueError("fastpipe: the header group must hold the pipeline group's ranks in the same order")
-        super().__init__(header_group, num_stages, watchdog, torch.device("cpu"))
+        super().__init__(header_group, num_stages, watchdog, torch.device("cpu"), placement)
         if device.type == "cuda" and device.index is None:  # compare like the tensors' own devices
             device = torch.device("cuda", torch.cuda.current_device())
         self.data_group = group
@@ -76,14 +83,16 @@ class OrderedTransport(P2PTransport):
         NCCL opens a pair's connection lazily, inside the first send or receive between
         them, and may block the host there until the peer arrives; doing it here, on every
         rank at once, keeps that out of the first step (as ``torch.distributed.pipelining``
-        does for its neighbours). Stages s and s+1 sit on ranks r and r+1 (mod the group's
-        size), so the ring's neighbours and the ranks that skips join (call
-        :meth:`use_skips` first) are all the pairs that ever talk.
+        does for its neighbours). The pairs that ever talk hold stages s and s+1 (the ring's
+        neighbours in round robin, the V's neighbours in a V) or a skip's two ends (call
+        :meth:`use_skips` first).
         """
         if self.size == 1:
             return
         ops: list[dist.P2POp] = []
-        for peer in sorted({(self.rank + 1) % self.size, (self.rank - 1) % self.size} | self._skip_peers()):
+        edges = [(self.owner(s), self.owner(s + 1)) for s in range(self.num_stages - 1)]
+        peers = {b if a == self.rank else a for a, b in edges if self.rank in (a, b) and a != b}
+        for peer in sorted(peers | self._skip_peers()):
             g = self._global(peer)
             ops.append(
                 dist.P2POp(

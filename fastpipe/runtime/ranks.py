@@ -7,14 +7,43 @@ and fail only at the deadline, far from the cause; these checks name the cause a
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fastpipe.runtime.watchdog import bounded_barrier
+from fastpipe.schedule.placement import placement_problem, round_robin
 
-__all__ = ["check_nccl_device", "check_same_settings", "gather_objects", "order_matched", "pipeline_groups"]
+__all__ = [
+    "check_nccl_device",
+    "check_rank_stages",
+    "check_same_settings",
+    "check_same_transport",
+    "gather_objects",
+    "order_matched",
+    "pipeline_groups",
+]
+
+
+def check_rank_stages(
+    placement: Sequence[int] | None, num_stages: int, size: int, rank: int, stages: Iterable[int]
+) -> tuple[int, ...]:
+    """The pipeline's placement (default round robin), checked, and checked to put ``stages`` on ``rank``.
+
+    Raises:
+        ValueError: the placement does not fit ``size`` ranks, or puts one of ``stages`` elsewhere.
+    """
+    placed = tuple(placement) if placement is not None else round_robin(num_stages, size)
+    problem = placement_problem(placed, num_stages, size)
+    if problem is not None:
+        raise ValueError(f"fastpipe: {problem} (a group of {size} ranks)")
+    wrong = [s for s in stages if not 0 <= s < num_stages or placed[s] != rank]
+    if wrong:
+        here = [s for s, r in enumerate(placed) if r == rank]
+        raise ValueError(f"fastpipe: rank {rank} of {size} cannot hold stages {wrong}; the placement puts {here} here")
+    return placed
 
 
 def gather_objects(value: Any, group: Any, what: str, timeout: float) -> list[Any]:
@@ -77,4 +106,20 @@ def check_nccl_device(device: torch.device) -> None:
             f"fastpipe: this rank's stages are on cuda:{index} but the current CUDA device is "
             f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({index}) before "
             "building the pipeline (NCCL's batched send/receive hangs otherwise)"
+        )
+
+
+def check_same_transport(ordered: bool, group: Any) -> None:
+    """All ranks of ``group`` must match messages the same way (``FASTPIPE_P2P`` is read on each rank).
+
+    Raises:
+        ValueError: on every rank, naming each rank's transport.
+    """
+    modes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(modes, "ordered" if ordered else "tags", group=group)
+    if len(set(modes)) > 1:
+        per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {m}" for r, m in enumerate(modes))
+        raise ValueError(
+            f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
+            "FASTPIPE_P2P the same on every rank, or unset it"
         )

@@ -20,7 +20,7 @@ from fastpipe.schedule.greedy import greedy_schedule
 from fastpipe.schedule.ir import Action, ActionKind, Schedule, ScheduleError
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
 from fastpipe.schedule.search import Candidate, Choice, StageCosts
-from fastpipe.schedule.simulate import simulate, simulate_times
+from fastpipe.schedule.simulate import simulate, simulate_times, span_bubble_fraction
 from fastpipe.trace import Timeline, TimelineEvent
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "greedy_schedule",
     "simulate",
     "simulate_times",
+    "span_bubble_fraction",
     "update_lag",
     "weight_versions",
 ]

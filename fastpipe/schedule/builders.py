@@ -1,4 +1,4 @@
-"""Built-in schedules: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Megatron) and ZB-H1.
+"""Built-in schedules: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Megatron), ZB-H1, ZB-H2, ZB-V and DualPipeV.
 
 Micro-batch ``i`` enters stage ``j`` at clock ``i + j`` in GPipe; the other schedules bound the number of
 micro-batches in flight. Pictures for K=3 workers, M=4 micro-batches (one column per unit of time, unit
@@ -7,6 +7,9 @@ costs F=1, B=W=1)::
     gpipe   w0: F0 F1 F2 F3 .  .  .  .  BW3   BW2   BW1   BW0
     1f1b    w0: F0 F1 .  .  F2 .  BW0   F3 BW1 ...  (at most K in flight on w0)
     zb-h1   1f1b order of F and B (backward split into B then W); worker w lags its W by w
+
+``zb-h2``, ``zb-v`` and ``dualpipev`` live in :mod:`fastpipe.schedule.zero_bubble`; the last two place
+2K stages on K workers in a V (:func:`fastpipe.schedule.placement.v_shape`).
 """
 
 from __future__ import annotations
@@ -14,21 +17,28 @@ from __future__ import annotations
 import functools
 
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+from fastpipe.schedule.placement import round_robin, v_shape
+from fastpipe.schedule.zero_bubble import dualpipev, zb_h2, zb_v
 
-__all__ = ["build_for", "SCHEDULES", "build"]
+__all__ = ["build_for", "SCHEDULES", "STAGES_PER_WORKER", "build", "placement_for"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+
+#: Schedules with a fixed number of stages per worker other than one (V shapes: two).
+STAGES_PER_WORKER = {"zb-v": 2, "dualpipev": 2}
 
 
-def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def build(name: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """Builds a named schedule.
 
     Args:
-        name: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
-        stages: physical pipeline workers K (for ``interleaved`` the model has ``stages * virtual_stages``
-            stages; otherwise one stage per worker).
+        name: one of :data:`SCHEDULES`: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
+            ``"zb-h2"``, ``"zb-v"``, ``"dualpipev"``.
+        stages: physical pipeline workers K. The model has ``stages * virtual_stages`` stages:
+            ``interleaved`` takes any ``virtual_stages``; ``zb-v`` and ``dualpipev`` hold 2 per worker
+            in a V; the others one.
         microbatches: micro-batches per step M.
-        virtual_stages: stages per worker v (``interleaved`` only).
+        virtual_stages: stages per worker v; default the schedule's own (1, or 2 for the V schedules).
 
     Returns:
         A schedule that passes :meth:`Schedule.validate`.
@@ -43,9 +53,17 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
         raise ScheduleError(f"stages must be an integer >= 1, got {stages!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+    own = STAGES_PER_WORKER.get(key, 1)
+    if virtual_stages is None:
+        virtual_stages = own
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ScheduleError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    if key != "interleaved" and virtual_stages != 1:
+    if key in STAGES_PER_WORKER and virtual_stages != own:
+        raise ScheduleError(
+            f"{key} places {own} stages on each worker in a V (stages w and 2K-1-w on worker w); "
+            f"got virtual_stages={virtual_stages}"
+        )
+    if key not in STAGES_PER_WORKER and key != "interleaved" and virtual_stages != 1:
         raise ScheduleError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule, not {name!r}")
     if key == "gpipe":
         workers = _gpipe(stages, microbatches)
@@ -58,10 +76,17 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
                 f"got microbatches={microbatches}, stages={stages}"
             )
         workers = _interleaved(stages, microbatches, virtual_stages)
-    else:
+    elif key == "zb-h1":
         workers = _zb_h1(stages, microbatches)
-    num_stages = stages * virtual_stages if key == "interleaved" else stages
-    schedule = Schedule(key, num_stages, microbatches, stages, tuple(tuple(w) for w in workers))
+    elif key == "zb-h2":
+        workers = zb_h2(stages, microbatches)
+    elif key == "zb-v":
+        workers = zb_v(stages, microbatches)
+    else:
+        workers = dualpipev(stages, microbatches)
+    num_stages = stages * virtual_stages
+    placement = v_shape(stages) if key in STAGES_PER_WORKER else round_robin(num_stages, stages)
+    schedule = Schedule(key, num_stages, microbatches, stages, tuple(tuple(w) for w in workers), placement=placement)
     schedule.validate()
     return schedule
 
@@ -160,11 +185,12 @@ def _zb_h1(k: int, m: int) -> list[list[Action]]:
 def build_for(name: str, num_stages: int, num_workers: int, microbatches: int) -> Schedule:
     """The schedule ``name`` for a model cut into ``num_stages`` stages on ``num_workers`` workers.
 
-    More stages than workers means virtual stages (``interleaved`` only): stage ``s`` on
-    worker ``s % num_workers``. Cached, since runtimes ask for the same schedule every step.
+    More stages than workers means virtual stages: ``interleaved`` (stage ``s`` on worker
+    ``s % num_workers``), or exactly two per worker in a V for ``zb-v`` and ``dualpipev``; the
+    schedule's ``placement`` says which. Cached, since runtimes ask for the same schedule every step.
 
     Raises:
-        ScheduleError: the stages do not spread evenly, or only ``interleaved`` could run them.
+        ScheduleError: the stages do not spread evenly, or the schedule holds another number per worker.
     """
     if num_workers < 1 or num_stages % num_workers:
         raise ScheduleError(
@@ -172,10 +198,27 @@ def build_for(name: str, num_stages: int, num_workers: int, microbatches: int) -
             "a multiple of the number of workers"
         )
     virtual = num_stages // num_workers
-    if virtual == 1 and name != "interleaved":
-        return build(name, stages=num_workers, microbatches=microbatches)
-    if name != "interleaved":
+    key = name.lower().replace("_", "-")
+    own = STAGES_PER_WORKER.get(key, 1)
+    if key in SCHEDULES and key != "interleaved" and virtual != own:
+        if own == 1:
+            raise ScheduleError(
+                f"{num_stages} stages on {num_workers} workers need schedule='interleaved', 'zb-v' or "
+                f"'dualpipev' (several stages per worker); got {name!r}"
+            )
         raise ScheduleError(
-            f"{num_stages} stages on {num_workers} workers need schedule='interleaved' (virtual stages); got {name!r}"
+            f"{key} runs 2 stages per worker in a V: {2 * num_workers} stages on {num_workers} workers; "
+            f"got {num_stages} stages"
         )
     return build(name, stages=num_workers, microbatches=microbatches, virtual_stages=virtual)
+
+
+def placement_for(name: str, num_stages: int, num_workers: int) -> tuple[int, ...]:
+    """The placement that :func:`build_for` gives ``name`` (a V for ``zb-v``/``dualpipev``, else round robin).
+
+    It needs no micro-batch count, so a rank can learn its stages before it knows the step; the
+    arguments are checked when the schedule is built.
+    """
+    if name.lower().replace("_", "-") in STAGES_PER_WORKER and num_stages == 2 * num_workers:
+        return v_shape(num_workers)
+    return round_robin(num_stages, num_workers)

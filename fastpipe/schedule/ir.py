@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
+from fastpipe.schedule.placement import describe_placement, placement_problem, round_robin
+
 __all__ = ["Action", "ActionKind", "COMPUTE_KINDS", "COMM_KINDS", "Schedule", "ScheduleError"]
 
 ActionKind = Literal["F", "B", "W", "BW", "U", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
@@ -94,7 +96,7 @@ class Schedule:
 
     Attributes:
         name: schedule name, e.g. ``"1f1b"``.
-        num_stages: total (virtual) stages; stage ``s`` lives on worker ``s % num_workers``.
+        num_stages: total (virtual) stages; stage ``s`` lives on worker ``placement[s]``.
         num_microbatches: micro-batches per step.
         num_workers: physical pipeline ranks/devices.
         workers: per worker, its actions in execution order.
@@ -109,6 +111,9 @@ class Schedule:
             and ``B(p, m)`` also reads the gradient ``B(c, m)`` computed for it. Both already
             follow from the stage-to-stage edges, so only the messages they add change: a
             transport that matches messages by order plans them (:mod:`fastpipe.schedule.ordered`).
+        placement: per stage, the worker that holds it (:mod:`fastpipe.schedule.placement`);
+            empty means round robin, stage ``s`` on worker ``s % num_workers`` (interleaved).
+            A V shape (``zb-v``, ``dualpipev``) puts stages ``s`` and ``2K - 1 - s`` on worker ``s``.
     """
 
     name: str
@@ -119,6 +124,14 @@ class Schedule:
     minibatch_size: int = 0
     flush: bool = True
     skips: tuple[tuple[int, int], ...] = ()
+    placement: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.placement and self.num_workers >= 1:
+            # Frozen: the default map is filled in once, so equal schedules compare (and hash) equal.
+            object.__setattr__(self, "placement", round_robin(self.num_stages, self.num_workers))
+        elif not isinstance(self.placement, tuple):
+            object.__setattr__(self, "placement", tuple(self.placement))
 
     @property
     def num_minibatches(self) -> int:
@@ -126,8 +139,12 @@ class Schedule:
         return self.num_microbatches // self.minibatch_size if self.minibatch_size else 0
 
     def worker_of(self, stage: int) -> int:
-        """The worker that holds ``stage`` (interleaved: worker w holds w, w+K, w+2K, ...)."""
-        return stage % self.num_workers
+        """The worker that holds ``stage``: ``placement[stage]`` (round robin: worker w holds w, w+K, ...)."""
+        return self.placement[stage]
+
+    def stages_of(self, worker: int) -> tuple[int, ...]:
+        """The stages that ``worker`` holds, in increasing order."""
+        return tuple(s for s, w in enumerate(self.placement) if w == worker)
 
     @cached_property
     def split_backward(self) -> bool:
@@ -215,6 +232,9 @@ class Schedule:
             )
         if len(self.workers) != self.num_workers:
             raise ScheduleError(f"{len(self.workers)} worker lists for num_workers={self.num_workers}")
+        problem = placement_problem(self.placement, self.num_stages, self.num_workers)
+        if problem is not None:
+            raise ScheduleError(problem)
         self._check_placement()
         self._check_skips()
         self._check_completeness()
@@ -364,7 +384,11 @@ class Schedule:
             )
         if self.skips:
             head += ", skips " + ", ".join(f"{p}->{c}" for p, c in self.skips)
-        lines = [head, "slot      " + " ".join(f"{i:>{width}}" for i in range(slots))]
+        lines = [head]
+        if self.placement != round_robin(self.num_stages, self.num_workers):
+            held = ", ".join(f"worker {w}: {'+'.join(map(str, self.stages_of(w)))}" for w in range(self.num_workers))
+            lines.append(f"placement ({describe_placement(self.placement, self.num_workers)}): {held}")
+        lines.append("slot      " + " ".join(f"{i:>{width}}" for i in range(slots)))
         for w, row in enumerate(cells):
             lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))
         return "\n".join(lines)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+from fastpipe.schedule.ir import COMM_KINDS, Action, Schedule, ScheduleError
 from fastpipe.trace import Timeline
 
-__all__ = ["CompiledSimulation", "Cost", "peak_memory", "simulate", "simulate_times"]
+__all__ = ["CompiledSimulation", "Cost", "peak_memory", "simulate", "simulate_times", "span_bubble_fraction"]
 
 Cost = float | Sequence[float]
 
@@ -123,6 +123,29 @@ def simulate(
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
     return timeline
+
+
+def span_bubble_fraction(timeline: Timeline) -> float:
+    """The idle share inside the workers' spans: ``1 - busy / (K * longest span)``.
+
+    A worker's span runs from the start of its first action to the end of its last. This is the
+    bubble of the zero-bubble papers' parallelogram (ZB-H2, ZB-V): each worker is busy without a gap
+    over its span, while the spans are staggered by one forward per worker. The staggered start and
+    end are left out here; :attr:`~fastpipe.trace.Timeline.bubble_fraction` counts them, so for one
+    isolated step it cannot fall below about ``(K - 1) F / makespan``, since worker ``K - 1`` cannot
+    start before ``K - 1`` forwards have run. Communication events count neither as busy nor towards a span.
+    """
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for e in timeline.events:
+        if e.kind in COMM_KINDS:
+            continue
+        first[e.worker] = min(first.get(e.worker, e.start), e.start)
+        last[e.worker] = max(last.get(e.worker, e.end), e.end)
+    span = max((last[w] - first[w] for w in first), default=0.0)
+    if span <= 0:
+        return 0.0
+    return 1.0 - sum(timeline.busy) / (timeline.num_workers * span)
 
 
 def peak_memory(

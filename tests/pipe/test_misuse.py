@@ -152,8 +152,21 @@ def test_virtual_stages_that_do_not_fit(virtual_stages, error, match):
 
 
 def test_virtual_stages_without_the_interleaved_schedule():
-    with pytest.raises(ValueError, match="virtual_stages=2 only applies to the 'interleaved' schedule"):
+    with pytest.raises(ValueError, match="virtual_stages=2 only applies to the 'interleaved', 'zb-v' and 'dualpipev'"):
         Pipe(model(), balance=[1, 1, 1, 1], schedule="1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_schedules_need_two_stages_per_worker(schedule):
+    with pytest.raises(ValueError, match=f"{schedule}' places 2 stages on each worker in a V.*virtual_stages=2"):
+        Pipe(model(), balance=[1, 1, 1, 1], schedule=schedule)
+    with pytest.raises(ValueError, match="virtual_stages=3 with 6 stages"):
+        Pipe(model(6), balance=[1] * 6, schedule=schedule, virtual_stages=3)
+    with pytest.raises(ValueError, match="len\\(balance\\) must be a multiple of virtual_stages"):
+        Pipe(model(), balance=[2, 1, 1], schedule=schedule, virtual_stages=2)
+    pipe = Pipe(model(), balance=[1, 1, 1, 1], chunks=4, schedule=schedule, virtual_stages=2)
+    with pytest.raises(ValueError, match="places 2 stages on each worker"):
+        pipe.train_step(torch.zeros(4, 4), torch.zeros(4, 4), torch.nn.MSELoss(), virtual_stages=1)
 
 
 @pytest.mark.parametrize("extra", [{"sample": torch.zeros(2, 4)}, {"memory_limit": 1e9}], ids=["sample", "limit"])
@@ -282,7 +295,7 @@ TRAIN_STEP_MISUSE = {
     "virtual stages without interleaved": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), schedule="1f1b", virtual_stages=2),
         ValueError,
-        "only applies to the 'interleaved' schedule",
+        "only applies to the 'interleaved', 'zb-v' and 'dualpipev' schedules",
     ),
     "scaler that is not a GradScaler": (
         lambda p, x, y: p.train_step(x, y, nn.MSELoss(), scaler=2.0**16),

@@ -39,7 +39,8 @@ from fastpipe.partition import first_layer_in_place
 DTYPE = torch.float64
 # 1e3 × the reduction size (≤ 64 here) × eps: above any rounding, below any real difference.
 TOL = {"rtol": 1e3 * 64 * torch.finfo(DTYPE).eps, "atol": 1e3 * 64 * torch.finfo(DTYPE).eps}
-SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved"]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved", "zb-h2", "zb-v", "dualpipev"]
+V_SCHEDULES = ("zb-v", "dualpipev")  # 2 stages per worker, placed in a V
 CHECKPOINTS = ["always", "except_last", "never"]
 PROFILE = {
     "derandomize": True,
@@ -290,7 +291,7 @@ def test_forward_backward_equals_plain(spec):
 
 
 def stages_for(spec: dict[str, Any]) -> int:
-    return 2 if spec["schedule"] == "interleaved" else 1
+    return 2 if spec["schedule"] in ("interleaved", *V_SCHEDULES) else 1
 
 
 @settings(max_examples=120, **PROFILE)
@@ -302,6 +303,7 @@ def test_train_step_equals_plain(spec):
     assume(len(spec["balance"]) % virtual == 0)
     workers = len(spec["balance"]) // virtual
     assume(spec["schedule"] != "interleaved" or len(sizes) % workers == 0)  # Megatron's constraint
+    assume(spec["schedule"] != "dualpipev" or len(sizes) >= 2 * workers)  # DualPipeV's: M >= stages
     target = torch.randn(len(x), 2, dtype=DTYPE)
     loss_fn = nn.MSELoss()
     pipe = make_pipe(spec, model)
@@ -406,14 +408,16 @@ def _distributed(rank: int, world: int, specs_: list[dict[str, Any]]) -> list[di
 
 
 def dist_specs() -> st.SearchStrategy[list[dict[str, Any]]]:
-    """Runs for 2 ranks: 2 stages, or 4 interleaved ones (2 per rank)."""
+    """Runs for 2 ranks: 2 stages, or 4 interleaved or V-placed ones (2 per rank)."""
 
     def fits(spec: dict[str, Any]) -> bool:
         stages = len(spec["balance"])
+        count = len(scatter(build(spec)[1], spec["chunks"]))
         if spec["schedule"] == "interleaved":
-            count = len(scatter(build(spec)[1], spec["chunks"]))
             # DistributedPipe builds the schedule for `chunks` up front; the step runs `count`.
             return stages == 4 and count % 2 == 0 and spec["chunks"] % 2 == 0
+        if spec["schedule"] in V_SCHEDULES:  # 4 stages in a V; DualPipeV needs M >= 4 (chunks and count)
+            return stages == 4 and (spec["schedule"] == "zb-v" or min(count, spec["chunks"]) >= 4)
         return stages == 2
 
     def works(spec: dict[str, Any]) -> bool:

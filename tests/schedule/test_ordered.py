@@ -17,8 +17,8 @@ def _configs():
     for name in SCHEDULES:
         for k in range(1, 7):
             for m in range(1, 10):
-                for v in (1, 2, 3) if name == "interleaved" else (1,):
-                    if name == "interleaved" and m % k:
+                for v in (1, 2, 3) if name == "interleaved" else (None,):
+                    if (name == "interleaved" and m % k) or (name == "dualpipev" and m < 2 * k):
                         continue
                     yield name, k, m, v
 

@@ -8,20 +8,27 @@ from fastpipe.schedule import SCHEDULES, Action, Schedule, ScheduleError, build,
 
 
 def _legal(name: str, k: int, m: int, v: int = 1) -> bool:
+    if name == "dualpipev":
+        return m >= 2 * k
     return name != "interleaved" or m % k == 0
+
+
+def _virtual(name: str) -> tuple[int, ...]:
+    return {"interleaved": (1, 2, 3), "zb-v": (2,), "dualpipev": (2,)}.get(name, (1,))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_all_builtin_schedules_validate(name: str) -> None:
     for k in range(1, 9):
         for m in range(1, 33):
-            for v in (1, 2, 3) if name == "interleaved" else (1,):
+            for v in _virtual(name):
                 if not _legal(name, k, m, v):
                     continue
                 s = build(name, k, m, virtual_stages=v)  # build() validates
                 assert s.num_workers == k and s.num_stages == k * v and s.num_microbatches == m
                 # GPipe splits the first w backwards of worker w (see builders._gpipe).
-                assert s.split_backward == (name == "zb-h1" or (name == "gpipe" and k > 1 and m > 0))
+                zero_bubble = name in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+                assert s.split_backward == (zero_bubble or (name == "gpipe" and k > 1 and m > 0))
                 if k in (2, 4) and m in (4, 8):
                     s.with_communication().validate()
 
@@ -47,6 +54,10 @@ def test_action_text_round_trip() -> None:
         ({"name": "interleaved", "stages": 2, "microbatches": 1, "virtual_stages": 2}, "microbatches % stages == 0"),
         ({"name": "1f1b", "stages": 2, "microbatches": 4, "virtual_stages": 2}, "needs the 'interleaved'"),
         ({"name": "interleaved", "stages": 2, "microbatches": 4, "virtual_stages": 0}, "virtual_stages must be"),
+        ({"name": "zb-h2", "stages": 2, "microbatches": 4, "virtual_stages": 2}, "needs the 'interleaved'"),
+        ({"name": "zb-v", "stages": 2, "microbatches": 4, "virtual_stages": 1}, "zb-v places 2 stages on each worker"),
+        ({"name": "dualpipev", "stages": 2, "microbatches": 4, "virtual_stages": 3}, "dualpipev places 2 stages"),
+        ({"name": "dualpipev", "stages": 3, "microbatches": 5}, "at least as many micro-batches as stages: 6"),
     ],
 )
 def test_invalid_arguments_are_rejected_with_the_constraint(kwargs: dict, message: str) -> None:
