@@ -39,6 +39,8 @@ def _named_best(costs: StageCosts, m: int, limit: float | None) -> tuple[float, 
             schedule = build(name, costs.num_stages, m)
         except ScheduleError:
             continue
+        if schedule.num_stages != costs.num_stages:  # the V schedules: 2 stages per worker
+            continue
         timeline = simulate(schedule, costs.forward, costs.backward, costs.weight, costs.comm)
         if limit is None or max(timeline.peak_activations) <= limit:
             times[name] = timeline.makespan

@@ -29,7 +29,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from fastpipe.asynchronous.fit_run import FitRun, RunnerFactory, Window
+from fastpipe.asynchronous.fit_run import FitRun, RunnerFactory
+from fastpipe.asynchronous.window import Window
 from fastpipe.microbatch import to_device
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState

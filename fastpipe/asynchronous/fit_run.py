@@ -16,7 +16,6 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 from fastpipe.asynchronous.direction import check_predictable, predict_weights
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
+from fastpipe.asynchronous.window import Split, Window, side_of
 from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -39,38 +39,6 @@ from fastpipe.step_rules import checkpoint_predicate, microbatch_loss, microbatc
 __all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
 
 RunnerFactory = Callable[[Mapping[int, Stage], int, Transport, StepState], MultistepRunner]
-
-
-@dataclass
-class Window:
-    """One window's mini-batches, flattened into micro-batches (inputs only where stage 0 runs)."""
-
-    minibatches: int
-    microbatches: int  # per mini-batch
-    seed: int
-    inputs: list[Value]
-    targets: list[Any]
-    sizes: list[int]  # per micro-batch
-    factors: list[float]
-    side: list[dict[str, Any]] = field(default_factory=list)  # per micro-batch, or none at all
-
-    def losses(self, results: Mapping[int, Value]) -> list[Tensor]:
-        """Each mini-batch's loss from the last stage's per-micro-batch losses."""
-        m = self.microbatches
-        with torch.no_grad():
-            return [
-                torch.stack([self.factors[i] * cast(Tensor, results[i]) for i in range(j * m, (j + 1) * m)]).sum()
-                for j in range(self.minibatches)
-            ]
-
-
-Split = tuple[list[Value], list[Any], list[int], list[dict[str, Any]]]  # one mini-batch's
-
-
-def _side_of(group: Sequence[Split]) -> list[dict[str, Any]]:
-    """The window's side inputs per micro-batch; none at all when no mini-batch has any."""
-    side = [mb for *_, sd in group for mb in sd]
-    return side if any(side) else []
 
 
 class FitRun(Iterator[Tensor]):
@@ -250,7 +218,7 @@ class FitRun(Iterator[Tensor]):
             [t for _, ts, *_ in group for t in ts],
             [n for _, _, sz, _ in group for n in sz],
             [f for _, ts, sz, _ in group for f in self._factors(ts, sz)],
-            _side_of(group),
+            side_of(group),
         )
 
     def _lr_table(self, n: int) -> list[list[float]]:
