@@ -4,8 +4,10 @@ Parts (``--only`` picks some): ``e2e`` (plain, gradient accumulation, fastpipe, 
 ``torch.distributed.pipelining`` side by side on every visible GPU, else 2 CPU stages),
 ``schedules`` (simulated bubble and memory of every schedule), ``distributed`` (one rank per
 device: fastpipe ``DistributedPipe`` vs ``torch.distributed.pipelining``, NCCL or gloo),
-``copy`` (copy/compute overlap of ``fastpipe._C``), ``kernels`` (fused kernels vs eager) and
-``memory`` (the largest model one device trains: plain, recompute, recompute + fused).
+``zero-bubble`` (2 gloo processes: fastpipe ``zb-v`` and ``dualpipev`` against
+``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, paired
+rounds), ``copy`` (copy/compute overlap of ``fastpipe._C``), ``kernels`` (fused kernels vs eager)
+and ``memory`` (the largest model one device trains: plain, recompute, recompute + fused).
 
 Each part has a time budget: it stops adding rounds when its budget is spent, and spawned
 ranks are stopped past it. ``--quick`` budgets the suite for under 8 minutes on one H200.
@@ -36,6 +38,7 @@ PARTS: dict[str, tuple[float, float]] = {
     "e2e": (120.0, 600.0),
     "schedules": (20.0, 60.0),
     "distributed": (90.0, 300.0),
+    "zero-bubble": (90.0, 400.0),
     "copy": (30.0, 120.0),
     "kernels": (120.0, 600.0),
     "memory": (40.0, 120.0),
@@ -126,6 +129,17 @@ def _distributed(args: argparse.Namespace, deadline: float, out: str) -> dict[st
     return summarise(times, w, notes)
 
 
+def _zero_bubble(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    try:
+        from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"torch.distributed.pipelining has no V schedules here ({exc})"}
+    from fastpipe.bench.zero_bubble import run_zero_bubble
+
+    rounds = 3 if args.quick or args.tiny else 9
+    return run_zero_bubble(max(deadline - time.monotonic(), 10.0), rounds, warmup=1 if args.tiny else 2, tiny=args.tiny)
+
+
 def _copy(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
     import fastpipe._C as _C
     from fastpipe.bench.copy_overlap import measure
@@ -160,6 +174,7 @@ _RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] 
     "e2e": _e2e,
     "schedules": _schedules,
     "distributed": _distributed,
+    "zero-bubble": _zero_bubble,
     "copy": _copy,
     "kernels": _kernels,
     "memory": _memory,

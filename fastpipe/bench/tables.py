@@ -112,6 +112,24 @@ def _kernels(res: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
+def _zero_bubble(res: dict[str, Any]) -> str:
+    w = res["workload"]
+    head = (
+        f"{w['ranks']} gloo ranks x {w['threads_per_rank']} thread, {w['blocks']} residual MLP blocks "
+        f"{w['hidden']}/{w['ffn']}, batch {w['batch']}, M = {w['chunks']}; medians of {res['rounds']} paired "
+        f"rounds, load average {res['load_average']['before']:.1f} -> {res['load_average']['after']:.1f}"
+    )
+    ratios = [{"pair": k, "ratio": v} for k, v in res["paired_ratio"].items()]
+    bubbles = [{"schedule": k, **v} for k, v in res["bubble"].items()]
+    return "\n\n".join(
+        [
+            head,
+            table(ratios, [("pair", "paired step-time ratio"), ("ratio", "median")]),
+            table(bubbles, [("schedule", "schedule"), ("measured", "bubble, traced"), ("simulated", "simulated")]),
+        ]
+    )
+
+
 _FORMATS = {
     "e2e": _e2e,
     "distributed": _e2e,
@@ -119,6 +137,7 @@ _FORMATS = {
     "memory": _memory,
     "copy": _copy,
     "kernels": _kernels,
+    "zero-bubble": _zero_bubble,
 }
 
 

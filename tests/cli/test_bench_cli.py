@@ -80,3 +80,30 @@ def test_bench_prints_the_kernel_tables_once(tmp_path: object, capsys: pytest.Ca
     assert [line for line in text.splitlines() if line.startswith("JSON ")] == [text.strip().splitlines()[-1]]
     with open(os.path.join(out, "kernels.json")) as f:
         assert {"correctness", "saved_bytes"} <= set(json.load(f))
+
+
+def test_zero_bubble_part_pairs_the_v_schedules_with_torchs(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(str(tmp_path))
+    assert main(["bench", "--tiny", "--only", "zero-bubble", "--out", "out", "--no-progress"]) == 0
+    with open(os.path.join("out", "bench.json")) as f:
+        part = json.load(f)["parts"]["zero-bubble"]
+    assert part["status"] == "ok", part
+    res = part["result"]
+    assert set(res["median_s"]) == {
+        "fastpipe zb-v",
+        "pipelining ZBVZeroBubble",
+        "fastpipe dualpipev",
+        "pipelining DualPipeV",
+        "fastpipe 1f1b",
+    }
+    assert set(res["paired_ratio"]) == {
+        "fastpipe zb-v / pipelining ZBVZeroBubble",
+        "fastpipe dualpipev / pipelining DualPipeV",
+        "fastpipe zb-v / fastpipe 1f1b",
+        "fastpipe dualpipev / fastpipe 1f1b",
+    }
+    assert all(r > 0 for r in res["paired_ratio"].values())
+    assert all(0 <= b["measured"] < 1 and 0 <= b["simulated"] < 1 for b in res["bubble"].values())
+    with open(os.path.join("out", "results.md")) as f:
+        text = f.read()
+    assert "fastpipe zb-v / pipelining ZBVZeroBubble" in text and "bubble, traced" in text
