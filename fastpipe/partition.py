@@ -11,9 +11,12 @@ from torch import nn
 
 from fastpipe.microbatch import Value, check_value, tensors_of
 from fastpipe.runtime.device import normalize
+from fastpipe.schedule.builders import STAGES_PER_WORKER
+from fastpipe.schedule.placement import round_robin, v_shape
 
 __all__ = [
     "Device",
+    "stage_devices",
     "MOVE_REFUSED",
     "layers_of",
     "tied_blocks",
@@ -296,3 +299,29 @@ def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
         call = ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
         raise TypeError(f"{MOVE_REFUSED} (got .to({call}))")
+
+
+def stage_devices(devices: Sequence[Any] | None, stages: int, schedule: object, virtual_stages: int) -> Any:
+    """``devices`` as one entry per stage, for :func:`fastpipe.partition.resolve_devices`.
+
+    With several stages per worker (``virtual_stages > 1``) a list of one device per worker
+    (``stages // virtual_stages`` entries) is spread by the schedule's placement: a V puts stages
+    ``w`` and ``2K-1-w`` on device ``w``, round robin stage ``s`` on device ``s % K``. ``None``
+    then means one visible GPU per worker (CPU without GPUs). Any other list is per stage.
+    """
+    if virtual_stages < 1 or stages % virtual_stages:
+        return devices  # refused with its own message by pipe_schedule
+    workers = stages // virtual_stages
+    if virtual_stages == 1:
+        return devices
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or count >= stages:
+            return devices
+        devices = [torch.device("cuda", i) for i in range(workers)]
+    if isinstance(devices, (str, int, torch.device)) or len(list(devices)) != workers:
+        return devices
+    key = schedule.lower().replace("_", "-") if isinstance(schedule, str) else schedule
+    placement = v_shape(workers) if key in STAGES_PER_WORKER else round_robin(stages, workers)
+    per_worker = list(devices)
+    return [per_worker[w] for w in placement]

@@ -26,6 +26,7 @@ from fastpipe.partition import (
     layers_of,
     refuse_device_move,
     resolve_devices,
+    stage_devices,
 )
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.autograd_node import NodeRun, PipelineNode
@@ -33,6 +34,7 @@ from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule
 from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import (
     CHECKPOINT_MODES,
@@ -46,7 +48,6 @@ from fastpipe.step_rules import (
     pipe_auto_schedule,
     pipe_schedule,
     split_targets,
-    stage_devices,
 )
 from fastpipe.ties import TiedWeights, split_tied
 from fastpipe.trace import Timeline
@@ -83,9 +84,8 @@ class Pipe(nn.Module):
         deferred_batch_norm: replace BatchNorm layers with :class:`DeferredBatchNorm`, whose
             running statistics equal one pass over the whole mini-batch.
         trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
-        schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's,
-            since its backward comes later, from autograd). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks
-            one from measured costs; ``pipe.auto_schedule`` has its choice (:mod:`fastpipe.auto_schedule`).
+        schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
+            backward). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks one from measured costs (``auto_schedule``).
         virtual_stages: default stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``).
         sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
             costs are profiled on one micro-batch; of the splits within 5% of the least
@@ -264,7 +264,7 @@ class Pipe(nn.Module):
         target: Any,
         loss_fn: Callable[[Any, Any], Tensor],
         *,
-        schedule: str | AutoSchedule | None = None,
+        schedule: str | AutoSchedule | Schedule | None = None,
         virtual_stages: int | None = None,
         trace: bool | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -284,7 +284,7 @@ class Pipe(nn.Module):
             target: split along dim 0 like ``input`` (tensor or tuple), or ``None``.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
             schedule: one of :data:`fastpipe.schedule.SCHEDULES` (``"1f1b"``, ``"zb-v"``, ...) or ``"auto"``;
-                default: the Pipe's ``schedule``.
+                or a ``Schedule`` of this pipe's stages and step (IR data, run as given); default: the Pipe's.
             virtual_stages: stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``),
                 placed by the schedule; default: the Pipe's.
             trace: record the step's timeline in ``last_timeline`` (default: ``self.trace``).

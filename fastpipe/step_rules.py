@@ -36,14 +36,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor, nn
 
 from fastpipe.auto_schedule import AutoRun, AutoSchedule, is_auto
 from fastpipe.microbatch import batch_size, check_value, scatter
-from fastpipe.schedule import Schedule
+from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.builders import STAGES_PER_WORKER, build_for
-from fastpipe.schedule.placement import round_robin, v_shape
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -57,7 +55,6 @@ __all__ = [
     "split_targets",
     "pipe_schedule",
     "pipe_auto_schedule",
-    "stage_devices",
     "TokenNormalised",
     "TokenLoss",
     "token_loss",
@@ -309,13 +306,18 @@ def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int
 
 
 def pipe_schedule(
-    name: str | AutoSchedule, stages: int, microbatches: int, virtual_stages: int, auto: AutoRun | None = None
+    name: str | AutoSchedule | Schedule,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int,
+    auto: AutoRun | None = None,
 ) -> Schedule:
     """The schedule ``Pipe`` runs: ``name`` over ``stages``, ``virtual_stages`` to a worker.
 
     ``"auto"`` (or an :class:`~fastpipe.auto_schedule.AutoSchedule`) runs the search's choice for
     this step's micro-batches, which ``auto`` carries (the stages pick their own stages per worker,
-    so ``virtual_stages`` does not apply). The messages speak of Pipe's own arguments;
+    so ``virtual_stages`` does not apply); a :class:`~fastpipe.schedule.Schedule` runs as given, once
+    it fits the stages and micro-batches. The messages speak of Pipe's own arguments;
     :func:`~fastpipe.schedule.builders.build_for` checks the rest. ``zb-v`` and ``dualpipev`` hold
     2 stages per worker in a V, so they need ``virtual_stages=2`` and ``len(balance) = 2 x workers``.
     """
@@ -323,6 +325,8 @@ def pipe_schedule(
         if auto is None:
             raise ValueError("fastpipe: schedule='auto' needs the stages and a step's micro-batches to measure on")
         return auto.schedule(name)
+    if isinstance(name, Schedule):
+        return _given_schedule(name, stages, microbatches)
     if virtual_stages < 1 or stages % virtual_stages:
         raise ValueError(
             f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
@@ -342,6 +346,23 @@ def pipe_schedule(
             "schedules"
         )
     return build_for(str(name), stages, stages // virtual_stages, microbatches)
+
+
+def _given_schedule(schedule: Schedule, stages: int, microbatches: int) -> Schedule:
+    """A schedule built by the caller (IR data): it must fit this pipe and this step."""
+    if schedule.minibatch_size:
+        raise ValueError("fastpipe: train_step runs one step; a stream of mini-batches (U actions) is fit's")
+    if schedule.num_stages != stages or schedule.num_microbatches != microbatches:
+        raise ValueError(
+            f"fastpipe: the schedule {schedule.name!r} is for {schedule.num_stages} stages and "
+            f"{schedule.num_microbatches} micro-batches; this step has {stages} stages and {microbatches} "
+            "micro-batches (chunks, or fewer for a small batch)"
+        )
+    try:
+        schedule.validate()
+    except ScheduleError as exc:
+        raise ValueError(f"fastpipe: the schedule {schedule.name!r} is invalid: {exc}") from None
+    return schedule
 
 
 def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> AutoSchedule:
@@ -365,29 +386,3 @@ def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> Au
     # 2 x workers micro-batches satisfy every builder (dualpipev needs at least that many).
     pipe_schedule(schedule, stages, 2 * max(stages // max(virtual_stages, 1), 1), virtual_stages)
     return AutoSchedule()
-
-
-def stage_devices(devices: Sequence[Any] | None, stages: int, schedule: object, virtual_stages: int) -> Any:
-    """``devices`` as one entry per stage, for :func:`fastpipe.partition.resolve_devices`.
-
-    With several stages per worker (``virtual_stages > 1``) a list of one device per worker
-    (``stages // virtual_stages`` entries) is spread by the schedule's placement: a V puts stages
-    ``w`` and ``2K-1-w`` on device ``w``, round robin stage ``s`` on device ``s % K``. ``None``
-    then means one visible GPU per worker (CPU without GPUs). Any other list is per stage.
-    """
-    if virtual_stages < 1 or stages % virtual_stages:
-        return devices  # refused with its own message by pipe_schedule
-    workers = stages // virtual_stages
-    if virtual_stages == 1:
-        return devices
-    if devices is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or count >= stages:
-            return devices
-        devices = [torch.device("cuda", i) for i in range(workers)]
-    if isinstance(devices, (str, int, torch.device)) or len(list(devices)) != workers:
-        return devices
-    key = schedule.lower().replace("_", "-") if isinstance(schedule, str) else schedule
-    placement = v_shape(workers) if key in STAGES_PER_WORKER else round_robin(stages, workers)
-    per_worker = list(devices)
-    return [per_worker[w] for w in placement]
