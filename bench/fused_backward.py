@@ -36,24 +36,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, y = make_batch()
-    v = fastpipe.Pipe(
-        make_model(),
-        [2, 2, 2, 2],
-        devices=["cpu"] * 2,
-        chunks=CHUNKS,
-        schedule="zb-v",
-        virtual_stages=2,
-        checkpoint="never",
-    )
-    d = fastpipe.Pipe(
-        make_model(),
-        [2, 2, 2, 2],
-        devices=["cpu"] * 2,
-        chunks=CHUNKS,
-        schedule="dualpipev",
-        virtual_stages=2,
-        checkpoint="never",
-    )
+
+    def v_shaped(schedule: str) -> fastpipe.Pipe:  # 4 stages of 2 blocks on 2 worker threads
+        return fastpipe.Pipe(
+            make_model(),
+            [2, 2, 2, 2],
+            devices=["cpu"] * 2,
+            chunks=CHUNKS,
+            schedule=schedule,
+            virtual_stages=2,
+            checkpoint="never",
+        )
+
+    v, d = v_shaped("zb-v"), v_shaped("dualpipev")
     one = fastpipe.Pipe(make_model(), [4, 4], chunks=CHUNKS, schedule="1f1b", checkpoint="never")
     fused = fuse_backward(build("zb-v", 2, CHUNKS))
     methods = {

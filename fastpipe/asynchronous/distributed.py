@@ -88,11 +88,13 @@ class DistributedFitRun(FitRun):
                     )
                 mine = sizes_list[j * m : (j + 1) * m]
                 if last:
-                    _, ts, got, _ = self._split(item, need_input=False)
+                    _, ts, got, sd = self._split(item, need_input=False)
                     if got != mine:
                         raise ValueError(f"fastpipe: target micro-batch sizes {got} differ from the input's {mine}")
                     targets += ts
-                side += self._split_side(self._unpack(item)[2], mine)
+                    side += sd
+                else:
+                    side += self._split_side(self._unpack(item)[2], mine)
             if not last:
                 targets = [None] * (n * m)
             factors = [

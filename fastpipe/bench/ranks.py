@@ -18,7 +18,7 @@ from torch import nn
 from fastpipe.bench.steps import LOSS, accumulation_step, free_port
 from fastpipe.bench.workload import make_batch, make_model
 
-__all__ = ["spawn_ranks", "rank_main"]
+__all__ = ["join_within", "spawn_ranks", "rank_main"]
 
 
 def _split(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
@@ -140,15 +140,24 @@ def spawn_ranks(
             start_method="spawn",
             join=False,
         )
-        import time
-
-        end = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                raise RuntimeError(f"{method} ranks ran past {timeout:.0f} s and were stopped")
+        join_within(ctx, timeout, f"{method} ranks")
         with open(out) as f:
             result = json.load(f)
         return [float(t) for t in result["steps"]], [float(t) for t in result["t_mb"]]
+
+
+def join_within(ctx: Any, timeout: float, what: str) -> None:
+    """Waits for the processes of a ``torch.multiprocessing`` context; stops them past ``timeout`` seconds.
+
+    Raises:
+        RuntimeError: they ran past ``timeout`` (or, from ``join``, one of them failed).
+    """
+    import time
+
+    end = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise RuntimeError(f"{what} ran past {timeout:.0f} s and were stopped")

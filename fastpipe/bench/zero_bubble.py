@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.bench.ranks import join_within
 from fastpipe.bench.report import write_json
 from fastpipe.bench.steps import LOSS, free_port
 from fastpipe.bench.workload import BATCH, BLOCKS, CHUNKS, FFN, HIDDEN, make_batch, make_model
@@ -162,13 +163,7 @@ def run_zero_bubble(timeout: float, rounds: int = 9, warmup: int = 2, tiny: bool
         ctx = mp.start_processes(
             _worker, args=(free_port(), w, warmup, rounds, out), nprocs=K, start_method="spawn", join=False
         )
-        end = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                raise RuntimeError(f"the zero-bubble ranks ran past {timeout:.0f} s and were stopped")
+        join_within(ctx, timeout, "the zero-bubble ranks")
         with open(out) as f:
             data = json.load(f)
     times: dict[str, list[float]] = data["times"]

@@ -1,7 +1,7 @@
 """Fusing split backwards back into one: a B directly followed by its own W on the same worker.
 
-A split backward (B, then W later) exists so that the input gradient leaves early and W fills
-a bubble. Where a worker runs W right after its own B anyway, the split buys little: the
+A split backward (B first, W in a bubble) lets the input gradient leave early and fills
+bubbles with W. Where a worker runs W right after its own B anyway, the split buys little: the
 gradient leaves one W earlier, at the price of the split's own cost (a graph walk and hooks,
 measured at 6-10% of a combined backward on the CPU reference stages; see
 :mod:`fastpipe.runtime.split_backward`). :func:`fuse_backward` runs each such pair as one

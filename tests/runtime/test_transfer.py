@@ -172,8 +172,10 @@ class _FakeResult:
 
 
 class _DoneEvent:
+    """An event that has already fired: a stream waiting on it goes on at once."""
+
     def wait(self, stream: object) -> None:
-        pass
+        return None
 
     def query(self) -> bool:
         return True

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _ckpt_training import HIDDEN, make_model, train
 from _dist_utils import check_ok, run_ranks
 from torch import nn
 
@@ -16,32 +17,7 @@ import fastpipe
 from fastpipe import Pipe, dcp
 from fastpipe.commit import latest, read_record, step_dir
 
-HIDDEN = 16
 TIMEOUT = 15.0
-
-
-def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout)) for _ in range(8)])
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, HIDDEN, generator=g), torch.randn(8, HIDDEN, generator=g)
-
-
-def train(pipe: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        if isinstance(pipe, Pipe):
-            loss = pipe.train_step(x, y, nn.MSELoss())
-        else:
-            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def distributed(

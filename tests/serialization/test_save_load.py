@@ -6,37 +6,13 @@ import os
 
 import pytest
 import torch
+from _ckpt_training import HIDDEN, make_model
+from _ckpt_training import train as _train
 from _dist_utils import check_ok, run_ranks
 from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.serialization import load, save
-
-HIDDEN = 16
-
-
-def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout)) for _ in range(8)])
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, HIDDEN, generator=g), torch.randn(8, HIDDEN, generator=g)
-
-
-def _train(pipe: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        if isinstance(pipe, Pipe):
-            loss = pipe.train_step(x, y, nn.MSELoss())
-        else:
-            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _save_on_four(rank: int, world: int, path: str) -> list[float]:
