@@ -18,6 +18,13 @@ arrives, because the previous stage waits for it, and defer W to fill bubbles. C
                        └──grad_weight──▶ [T] ──▶ AccumulateGrad(w)     (W)
 
 So B + W cost what one combined backward costs, plus a graph walk per micro-batch.
+
+Plain ``nn.Linear`` layers skip the walk's machinery: under a split their forward runs as
+:class:`~fastpipe.runtime.wgrad.DeferringLinear`, whose backward in B computes ``dx`` and
+records ``(x, dy)``; W sums ``dyᵀ x`` into the running gradient inside the GEMM. Their
+weights and biases are *early* parameters here: B asks autograd for them too, and gets
+only what reaches them by other paths (a weight tied to an embedding in the same stage).
+Where no other parameter needs the graph, B frees it.
 """
 
 from __future__ import annotations
@@ -29,20 +36,29 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
+from fastpipe.runtime.wgrad import Deferred, apply_deferred
+
 __all__ = ["WeightWork", "backward_inputs", "backward_weights"]
 
 
 class WeightWork:
     """What B leaves for W: per root group, gradient roots and the parameters they own."""
 
-    __slots__ = ("groups", "params", "keep")
+    __slots__ = ("groups", "params", "keep", "early", "records")
 
     def __init__(
-        self, groups: list[tuple[list[Any], list[Tensor], list[int]]], params: Sequence[Tensor], keep: Any
+        self,
+        groups: list[tuple[list[Any], list[Tensor], list[int]]],
+        params: Sequence[Tensor],
+        keep: Any,
+        early: list[tuple[int, Tensor]] | None = None,
+        records: Deferred | None = None,
     ) -> None:
         self.groups = groups  # (roots, root grads, indices into params)
         self.params = list(params)
         self.keep = keep  # outputs and retained graph, alive until W
+        self.early = early or []  # (index, gradient) that B computed for early parameters
+        self.records = records  # deferred Linear work (fastpipe.runtime.wgrad)
 
 
 def _variable_of(node: Any) -> Tensor | None:
@@ -50,11 +66,24 @@ def _variable_of(node: Any) -> Tensor | None:
 
 
 def backward_inputs(
-    outputs: Sequence[Tensor], grads: Sequence[Tensor], leaves: Sequence[Tensor], params: Sequence[Tensor]
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    leaves: Sequence[Tensor],
+    params: Sequence[Tensor],
+    *,
+    early: Sequence[int] = (),
+    records: Deferred | None = None,
 ) -> tuple[list[Tensor | None], WeightWork]:
-    """B: gradients w.r.t. ``leaves``; returns them and the work W still has to do."""
-    leaf_ids = {id(t) for t in leaves}
-    param_ids = {id(p) for p in params}
+    """B: gradients w.r.t. ``leaves``; returns them and the work W still has to do.
+
+    ``early`` indexes the parameters whose gradients B takes as well (deferred Linears'
+    weights and biases, whose GEMM work goes into ``records`` during this call).
+    """
+    early_set = set(early)
+    late = [i for i in range(len(params)) if i not in early_set]
+    b_leaves = [*leaves, *(params[i] for i in early)]
+    leaf_ids = {id(t) for t in b_leaves}
+    param_ids = {id(params[i]) for i in late}
     reach_leaf: dict[Any, bool] = {}
     reach_param: dict[Any, bool] = {}
 
@@ -113,17 +142,21 @@ def backward_inputs(
 
         handles.append(n.register_prehook(hook))
     try:
-        leaf_grads: Sequence[Tensor | None] = [None] * len(leaves)
-        if b_outputs and leaves:
-            leaf_grads = torch.autograd.grad(b_outputs, list(leaves), b_grads, retain_graph=True, allow_unused=True)
+        got: Sequence[Tensor | None] = [None] * len(b_leaves)
+        if b_outputs and b_leaves:
+            got = torch.autograd.grad(
+                b_outputs, b_leaves, b_grads, retain_graph=bool(frontier or roots_out), allow_unused=True
+            )
     finally:
         for h in handles:
             h.remove()
+    leaf_grads = list(got[: len(leaves)])
+    early_grads = [(i, g) for i, g in zip(early, got[len(leaves) :]) if g is not None]
 
     # W runs once per frontier node, towards only the parameters of its parameter-only
     # region: one call from all roots would also walk from an upstream frontier node down
     # the input path into a downstream one and count its gradient twice.
-    index = {id(p): i for i, p in enumerate(params)}
+    index = {id(params[i]): i for i in late}
     groups: list[tuple[list[Any], list[Tensor], list[int]]] = []
     owners: dict[int, int] = {}
     if roots_out:
@@ -143,8 +176,8 @@ def backward_inputs(
     if any(count > 1 for count in owners.values()):
         # A parameter fed from two places (tied weights inside the stage): fall back to one
         # exact pass over the retained graph.
-        groups = [(list(outputs), list(grads), list(range(len(params))))]
-    return list(leaf_grads), WeightWork(groups, params, keep=list(outputs))
+        groups = [(list(outputs), list(grads), late)]
+    return leaf_grads, WeightWork(groups, params, list(outputs), early_grads, records)
 
 
 def _params_below(nodes: Sequence[Any], param_ids: set[int]) -> set[int]:
@@ -163,17 +196,23 @@ def _params_below(nodes: Sequence[Any], param_ids: set[int]) -> set[int]:
     return found
 
 
-def backward_weights(work: WeightWork) -> list[Tensor | None]:
-    """W: the parameter gradients, one per ``work.params`` entry (None where unused)."""
-    out: list[Tensor | None] = [None] * len(work.params)
+def backward_weights(work: WeightWork, sums: list[Tensor | None]) -> None:
+    """W: add the parameter gradients into ``sums``, one running sum per ``work.params`` entry."""
+
+    def add(i: int, g: Tensor) -> None:
+        prev = sums[i]
+        sums[i] = g if prev is None else prev.add_(g)
+
     for roots, grads, idx in work.groups:
         if not idx:
             continue
         found = torch.autograd.grad(roots, [work.params[i] for i in idx], grads, allow_unused=True, retain_graph=True)
         for i, g in zip(idx, found):
             if g is not None:
-                prev = out[i]
-                out[i] = g if prev is None else prev + g
-    work.groups = []
+                add(i, g)
+    for i, g in work.early:
+        add(i, g)
+    if work.records:
+        apply_deferred(work.records, work.params, sums)
+    work.groups, work.early, work.records = [], [], None
     work.keep = None
-    return out

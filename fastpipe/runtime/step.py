@@ -42,8 +42,9 @@ from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.skip_flow import SkipFlow
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
+from fastpipe.runtime.stage_checks import check_output, checked_loss, in_place_on_input
 from fastpipe.runtime.transport import Transport
-from fastpipe.runtime.wgrad import accumulating_linears, fusable_linears, fused_wgrad_enabled
+from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears, fused_wgrad_enabled
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
 from fastpipe.side_inputs import declared, run_layers, side_inputs_on
@@ -71,6 +72,7 @@ class Stage:
     clone_input: bool = False
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
+    early: list[int] = field(init=False)  # indices of the linears' parameters: B asks for them (split_backward)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
     skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
 
@@ -79,6 +81,8 @@ class Stage:
         self.side_names = declared(self.module)
         self.skips = StageSkips(layers=has_skips(self.module))
         self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
+        ids = {id(t) for lin in self.linears for t in (lin.weight, lin.bias) if t is not None}
+        self.early = [i for i, p in enumerate(self.params) if id(p) in ids]
 
 
 @dataclass
@@ -122,6 +126,7 @@ class StepState:
     consumed: bool = False
     side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
     draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
+    deferred: dict[tuple[int, int], Deferred] = field(default_factory=dict)  # split pairs' Linear work, B to W
 
 
 class StepRunner:
@@ -184,35 +189,31 @@ class StepRunner:
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         stage = self.stages[s]
-        # Only a combined backward (BW) swaps the running sums into .grad, which the fused
-        # Linear backward writes; a split one (B/W) needs the weight gradient returned.
-        fuse = torch.is_grad_enabled() and stage.linears and (s, m) not in self.state.schedule.split_pairs
+        fuse = torch.is_grad_enabled() and stage.linears
         try:
             value = _fresh(inputs) if stage.clone_input else inputs
             got = self.state.side
             side = side_inputs_on(got[m], stage.side_names, stage.device, self.state.side_copies) if got else {}
             skips = self.skip_flow.stores.get((s, m))
-            with accumulating_linears(stage.linears) if fuse else contextlib.nullcontext():
+            with self._linears(s, m) if fuse else contextlib.nullcontext():
                 out = run_layers(stage.module, value, side, skips) if side or skips is not None else stage.module(value)
         except RuntimeError as exc:
-            if "leaf Variable that requires grad is being used in an in-place" not in str(exc):
+            restated = in_place_on_input(exc, s)
+            if restated is None:
                 raise
-            raise RuntimeError(
-                f"fastpipe: stage {s} writes in place into its input, which it receives as a leaf that "
-                "requires grad; autograd refuses that. Write into a copy in the stage (e.g. `x = x.clone()` "
-                "first), or make the in-place layer the stage's first one (the stage then gets a copy)."
-            ) from exc
-        _check_output(out, s)
+            raise restated from exc
+        check_output(out, s)
         if s == self.last and self.loss is not None:
-            loss = self.loss.fn(out, self.loss.targets[m])
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(
-                    f"fastpipe: loss_fn must return a scalar tensor, got "
-                    f"{type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}; "
-                    "use a mean- or sum-reduced loss"
-                )
-            return loss.reshape(())
+            return checked_loss(self.loss.fn(out, self.loss.targets[m]))
         return out
+
+    def _linears(self, s: int, m: int) -> Any:
+        """Route the stage's Linears for task (s, m): summed into ``.grad`` by a combined backward
+        (BW), or deferred by B to W (see fastpipe.runtime.wgrad)."""
+        split = (s, m) in self.state.schedule.split_pairs
+        return accumulating_linears(
+            self.stages[s].linears, self.state.deferred.setdefault((s, m), []) if split else None
+        )
 
     def _task_rng(self, s: int, m: int) -> Callable[[], Any]:
         """What to enter around task (s, m) so that its random ops draw from its own streams.
@@ -305,13 +306,6 @@ class StepRunner:
         else:
             self.transport.send_grad(s - 1, m, dx)
 
-    def _accumulate(self, s: int, grads: Sequence[Tensor | None]) -> None:
-        acc = self.param_grads[s]
-        for i, g in enumerate(grads):
-            if g is not None:
-                prev = acc[i]
-                acc[i] = g if prev is None else prev.add_(g)
-
     def backward(self, action: Action) -> float:
         """BW: input and weight gradients in one pass.
 
@@ -335,7 +329,7 @@ class StepRunner:
                 # Linears stay routed as in this micro-batch's forward, so that a recompute
                 # inside the backward (torch.utils.checkpoint in the model) saves what the
                 # forward saved; hooks see the step's sum (see param_hooks).
-                with accumulating_linears(self.stages[s].linears), hooks_set_aside(params), _streams(task):
+                with self._linears(s, m), hooks_set_aside(params), _streams(task):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=[*leaves, *params])
                 acc[:] = [p.grad for p in params]
             finally:
@@ -350,9 +344,12 @@ class StepRunner:
         """B: input gradients now; what the weights need is kept for W."""
         s, m = action.stage, action.microbatch
         task, pairs, leaves, started = self._prepare_backward(s, m)
-        with _streams(task):
+        stage = self.stages[s]
+        records = self.state.deferred.pop((s, m), [])
+        # A recompute inside the backward defers too; the hooks see the step's sum (param_hooks).
+        with accumulating_linears(stage.linears, records), hooks_set_aside(stage.params), _streams(task):
             leaf_grads, task.weight_work = backward_inputs(
-                [o for o, _ in pairs], [g for _, g in pairs], leaves, self.stages[s].params
+                [o for o, _ in pairs], [g for _, g in pairs], leaves, stage.params, early=stage.early, records=records
             )
         task.outputs = task.skips_out = None
         self._send_input_grads(s, m, task, leaf_grads)
@@ -365,7 +362,7 @@ class StepRunner:
         task = self.state.tasks.pop((s, m))
         assert task.weight_work is not None, f"W before B for {action}"
         with hooks_set_aside(self.stages[s].params), _streams(task):
-            self._accumulate(s, backward_weights(task.weight_work))
+            backward_weights(task.weight_work, self.param_grads[s])
         return started
 
 
@@ -386,14 +383,3 @@ def _differentiable(t: Tensor) -> bool:
 def _fresh(value: Value) -> Value:
     """Copies of the tensors of ``value``, for a first layer that works in place."""
     return replace_tensors(value, [t.clone() for t in tensors_of(value)])
-
-
-def _check_output(out: Any, stage: int) -> None:
-    if isinstance(out, Tensor):
-        return
-    if isinstance(out, tuple) and any(isinstance(v, Tensor) for v in out):
-        return
-    raise TypeError(
-        f"fastpipe: stage {stage} returned {type(out).__name__}; a stage must return a Tensor or a tuple "
-        "holding tensors (the next stage, or the caller, receives it)"
-    )

@@ -17,6 +17,12 @@ will be a ``BW``, :func:`accumulating_linears` routes plain ``nn.Linear`` module
     dx ◀──      │   dy                        backward: dx = dy @ W, db = sum(dy)
                 └── W.grad.addmm_(dyᵀ, x)     no gradient flows to W's AccumulateGrad
 
+A split backward (``B`` then ``W``, the zero-bubble schedules) defers the same GEMM instead:
+during a forward whose backward is split, :class:`DeferringLinear` computes only ``dx`` in
+B and leaves ``(x, dy)`` in the micro-batch's record list; W adds ``dyᵀ x`` into the running
+sum with the same ``addmm_``. This is the zero-bubble paper's "weight gradient store"
+(Qi et al., 2023, arXiv 2401.10241): W is a GEMM over saved operands, with no graph to walk.
+
 Whatever autograd would do differently falls back to ``F.linear``: autocast, mixed
 dtypes, tensor subclasses, frozen weights. Parameter hooks are no reason to fall back: the
 stage backwards run with them set aside, and they see the step's summed gradient (see
@@ -27,6 +33,7 @@ new stages.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,7 +43,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["AccumulatingLinear", "accumulating_linears", "fusable_linears", "fused_wgrad_enabled"]
+__all__ = [
+    "AccumulatingLinear",
+    "DeferringLinear",
+    "Deferred",
+    "accumulating_linears",
+    "apply_deferred",
+    "fusable_linears",
+    "fused_wgrad_enabled",
+]
 
 
 def fused_wgrad_enabled() -> bool:
@@ -61,17 +76,68 @@ class AccumulatingLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
-            param = ctx.param
-            x2 = x.reshape(-1, x.shape[-1])
-            running = param.grad
-            if running is None:
-                param.grad = g2.t().mm(x2)
-            elif running.dtype == weight.dtype and running.device == weight.device and running.layout == torch.strided:
-                running.addmm_(g2.t(), x2)
-            else:  # a sum autograd left in another form: add out of place, as AccumulateGrad would
-                param.grad = running + g2.t().mm(x2)
+            ctx.param.grad = _summed(ctx.param.grad, g2, x.reshape(-1, x.shape[-1]), weight)
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b
+
+
+def _summed(running: Tensor | None, g2: Tensor, x2: Tensor, weight: Tensor) -> Tensor:
+    """``running + g2ᵀ x2``, in place inside the GEMM where ``running`` allows it."""
+    if running is None:
+        return g2.t().mm(x2)
+    if running.dtype == weight.dtype and running.device == weight.device and running.layout == torch.strided:
+        return running.addmm_(g2.t(), x2)
+    return running + g2.t().mm(x2)  # a sum autograd left in another form: add out of place, as AccumulateGrad would
+
+
+Deferred = list[tuple[Tensor, "Tensor | None", Tensor, Tensor]]
+"""A micro-batch's deferred Linear weight work: (weight, bias, x, dy) per call."""
+
+
+class DeferringLinear(torch.autograd.Function):
+    """``F.linear`` whose backward computes ``dx`` and defers the weight and bias gradients.
+
+    The weight and bias get no gradient from autograd; their operands go into ``store`` for
+    :func:`apply_deferred`. A node that the engine runs twice (B, then W restarting upstream
+    of it for a LayerNorm's parameters) records once. ``dx`` is computed only where the
+    engine will use it: in B the node may run for its weight alone.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: Deferred) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.bias, ctx.store, ctx.recorded = weight, bias, store, False
+        ctx.x_fn = x.grad_fn
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[0] and (ctx.x_fn is None or torch._C._will_engine_execute_node(ctx.x_fn))
+        grad_x = grad.matmul(weight) if wanted else None
+        if not ctx.recorded:
+            ctx.recorded = True
+            ctx.store.append((ctx.param, ctx.bias, x, grad))
+        return grad_x, None, None, None
+
+
+def apply_deferred(store: Deferred, params: Sequence[Tensor], sums: list[Tensor | None]) -> None:
+    """W for deferred Linears: add each record's weight and bias gradient into ``sums``.
+
+    ``sums[i]`` is the running sum of ``params[i]``; records are consumed.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    for weight, bias, x, grad in store:
+        g2 = grad.reshape(-1, grad.shape[-1])
+        i = index[id(weight)]
+        sums[i] = _summed(sums[i], g2, x.reshape(-1, x.shape[-1]), weight)
+        if bias is not None and id(bias) in index:
+            j = index[id(bias)]
+            db = g2.sum(0)
+            prev = sums[j]
+            sums[j] = db if prev is None else prev.add_(db)
+    store.clear()
 
 
 def fusable_linears(module: nn.Module, params: Sequence[Tensor]) -> list[nn.Linear]:
@@ -96,25 +162,28 @@ def _fusable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return bias is None or (type(bias) in (Tensor, nn.Parameter) and bias.dtype == weight.dtype)
 
 
-def _forward(self: nn.Linear, x: Tensor) -> Tensor:
+def _forward(self: nn.Linear, store: Deferred | None, x: Tensor) -> Tensor:
     if _fusable(x, self.weight, self.bias):
-        return AccumulatingLinear.apply(x, self.weight, self.bias)
+        if store is None:
+            return AccumulatingLinear.apply(x, self.weight, self.bias)
+        return DeferringLinear.apply(x, self.weight, self.bias, store)
     return F.linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
-def accumulating_linears(linears: Sequence[nn.Linear]) -> Iterator[None]:
+def accumulating_linears(linears: Sequence[nn.Linear], defer_to: Deferred | None = None) -> Iterator[None]:
     """Within the block, ``linears`` accumulate their weight gradients in the GEMM.
 
-    The block must be a forward whose backward runs with each weight's running sum in
-    ``.grad`` (the step runner's ``BW``); other backwards would find the weight gradient
-    already added, not returned.
+    Without ``defer_to`` the block must be a forward whose backward runs with each weight's
+    running sum in ``.grad`` (the step runner's ``BW``); other backwards would find the
+    weight gradient already added, not returned. With it, the backward leaves the weight
+    work in ``defer_to`` for :func:`apply_deferred` (a split ``B``/``W``).
     """
     patched = []
     try:
         for lin in linears:
             if "forward" not in lin.__dict__:
-                lin.forward = _forward.__get__(lin)  # type: ignore[method-assign]
+                lin.forward = functools.partial(_forward, lin, defer_to)  # type: ignore[method-assign]
                 patched.append(lin)
         yield
     finally:

@@ -1,0 +1,153 @@
+"""A split backward's deferred Linear work: B computes no weight GEMM, W adds it in the GEMM,
+and B + W equal one plain backward, GEMM for GEMM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastpipe.runtime.split_backward import backward_inputs, backward_weights
+from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
+
+GEMMS = {"mm", "addmm", "bmm", "matmul", "linear"}
+
+
+class _Gemms(TorchDispatchMode):
+    """Counts the matrix products that run, and the shapes they produce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__.rstrip("_") in GEMMS:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self, norm: bool = True, bias: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6) if norm else nn.Identity()
+        self.fc1, self.fc2 = nn.Linear(6, 10, bias=bias), nn.Linear(10, 6, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class _Twice(nn.Module):
+    """One Linear called twice: two records for one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
+class _Tied(nn.Module):
+    """A Linear whose weight a non-Linear op also uses in the same stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6, bias=False)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x)) + x @ self.fc.weight
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "block": lambda: nn.Sequential(_Block(), _Block()),
+    "no-norm": lambda: nn.Sequential(_Block(norm=False), _Block(norm=False)),
+    "no-bias": lambda: _Block(bias=False),
+    "twice": _Twice,
+    "tied": _Tied,
+}
+
+
+def _plain(
+    model: nn.Module, x: torch.Tensor, dy: torch.Tensor, gemms: _Gemms | None = None
+) -> list[torch.Tensor | None]:
+    xs = x.detach().requires_grad_(x.requires_grad)
+    out = model(xs)
+    params = list(model.parameters())
+    with gemms if gemms is not None else _Gemms():
+        got = torch.autograd.grad(out, [*params, *([xs] if x.requires_grad else [])], dy, allow_unused=True)
+    return list(got)
+
+
+def _split(
+    model: nn.Module, x: torch.Tensor, dy: torch.Tensor, gemms: dict[str, _Gemms] | None = None
+) -> list[torch.Tensor | None]:
+    params = list(model.parameters())
+    linears = fusable_linears(model, params)
+    ids = {id(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None}
+    early = [i for i, p in enumerate(params) if id(p) in ids]
+    records: Deferred = []
+    xs = x.detach().requires_grad_(x.requires_grad)  # a leaf, as a stage's input is
+    with accumulating_linears(linears, records):
+        out = model(xs)
+    assert records == []  # the forward defers nothing yet
+    leaves = [xs] if x.requires_grad else []
+    gemms = gemms if gemms is not None else {"B": _Gemms(), "W": _Gemms()}
+    with gemms["B"]:
+        leaf_grads, work = backward_inputs([out], [dy], leaves, params, early=early, records=records)
+    sums: list[torch.Tensor | None] = [None] * len(params)
+    with gemms["W"]:
+        backward_weights(work, sums)
+    assert records == []  # consumed by W
+    return [*sums, *leaf_grads]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_b_then_w_equals_one_backward(name: str, input_grad: bool) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=input_grad)
+    dy = torch.randn(4, 6, dtype=torch.float64)
+    ref = _plain(model, x, dy)
+    got = _split(model, x, dy)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_b_computes_no_weight_gemm_and_no_gemm_is_wasted(input_grad: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    weights = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+    x = torch.randn(5, 6, requires_grad=input_grad)
+    dy = torch.randn(5, 6)
+    gemms = {"B": _Gemms(), "W": _Gemms()}
+    _split(model, x, dy, gemms)
+    assert not set(weights) & set(gemms["B"].shapes)  # no dW in B
+    assert sorted(s for s in gemms["W"].shapes if s in weights) == sorted(weights)  # each dW once, in W
+    plain = _Gemms()
+    _plain(model, x, dy, plain)
+    # Without an input gradient, the first Linear's dx feeds only the LayerNorm's parameters:
+    # B skips it and W computes it once, as the plain backward does.
+    assert len(gemms["B"].shapes) + len(gemms["W"].shapes) == len(plain.shapes)
+
+
+def test_b_frees_the_graph_when_only_linears_hold_parameters() -> None:
+    model = nn.Sequential(_Block(norm=False))
+    x = torch.randn(3, 6, requires_grad=True)
+    params = list(model.parameters())
+    records: Deferred = []
+    with accumulating_linears(fusable_linears(model, params), records):
+        out = model(x)
+    _, work = backward_inputs([out], [torch.ones_like(out)], [x], params, early=range(len(params)), records=records)
+    assert work.groups == [] and len(records) == 2
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward(torch.ones_like(out))
