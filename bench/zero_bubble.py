@@ -9,8 +9,10 @@ Part 2 (measured, CPU): the reference workload's blocks (``fastpipe.bench.worklo
 under ``torch.autograd.graph.saved_tensors_hooks`` in its worker's thread, counting the bytes autograd
 keeps for backward (parameters left out, one tensor counted once) from the pack until the graph
 frees them; the peak per worker is against ``schedule.simulate.peak_memory`` with the same bytes per
-stage. A split backward keeps the weight side of a micro-batch's graph until its ``W``, which the
-simulated count (alive until ``B``) leaves out, as the zero-bubble paper does.
+stage. A split backward keeps what its ``W`` needs until the ``W`` runs: the weight side of the graph,
+and each deferred Linear's input and output gradient (``fastpipe.runtime.wgrad.DeferringLinear``),
+counted from ``B`` until ``W`` consumes them. The simulated count (alive until ``B``) leaves that out,
+as the zero-bubble paper does.
 
 Usage::
 
@@ -20,9 +22,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,6 +36,7 @@ from torch import nn  # noqa: E402
 
 from fastpipe import Pipe  # noqa: E402
 from fastpipe.bench.workload import ResidualMLP  # noqa: E402
+from fastpipe.runtime.wgrad import DeferringLinear  # noqa: E402
 from fastpipe.schedule import build, simulate, span_bubble_fraction  # noqa: E402
 from fastpipe.schedule.builders import placement_for  # noqa: E402
 from fastpipe.schedule.simulate import peak_memory  # noqa: E402
@@ -80,6 +85,37 @@ class _Held:
         self.alive.drop(self.worker, self.key, self.nbytes)
 
 
+_worker = threading.local()  # the worker whose thread runs the current block (forward and backward)
+
+
+class _Record(tuple):  # type: ignore[type-arg]
+    """A deferred Linear record that counts its input and output gradient until W drops it."""
+
+    held: list[_Held]
+
+
+@contextlib.contextmanager
+def _counting_deferred(alive: _Alive) -> Iterator[None]:
+    """Count what each B defers for its W (input and output gradient of every deferred Linear)."""
+    plain = DeferringLinear.backward
+    attribute = DeferringLinear.__dict__["backward"]
+
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        before = len(ctx.store)
+        out = plain(ctx, grad)
+        if len(ctx.store) > before:
+            record = _Record(ctx.store[-1])
+            record.held = [_Held(t, alive, _worker.index) for t in record[2:]]
+            ctx.store[-1] = record
+        return out
+
+    DeferringLinear.backward = staticmethod(backward)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeferringLinear.backward = attribute  # type: ignore[method-assign]
+
+
 class _Counted(nn.Module):
     """A block whose saved tensors count towards ``worker``."""
 
@@ -97,6 +133,7 @@ class _Counted(nn.Module):
         def unpack(h: Any) -> torch.Tensor:
             return h.tensor if isinstance(h, _Held) else h
 
+        _worker.index = self.worker
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return self.block(x)
 
@@ -136,10 +173,11 @@ def measured(hidden: int, k: int = 4, m: int = 8, rows_per_mb: int = 16, blocks:
         pipe = Pipe(
             nn.Sequential(*layers), [per_stage] * stages, chunks=m, checkpoint="never", schedule=name, virtual_stages=v
         )
-        pipe.train_step(x, y, nn.MSELoss())  # warm-up (allocator, threads)
-        alive.peak = [0] * k
-        pipe.zero_grad()
-        pipe.train_step(x, y, nn.MSELoss())
+        with _counting_deferred(alive):
+            pipe.train_step(x, y, nn.MSELoss())  # warm-up (allocator, threads)
+            alive.peak = [0] * k
+            pipe.zero_grad()
+            pipe.train_step(x, y, nn.MSELoss())
         pipe.close()
         # One block's saved bytes for one micro-batch, measured the same way.
         probe = _Alive(1)

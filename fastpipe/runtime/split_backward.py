@@ -24,7 +24,10 @@ Plain ``nn.Linear`` layers skip the walk's machinery: under a split their forwar
 records ``(x, dy)``; W sums ``dyᵀ x`` into the running gradient inside the GEMM. Their
 weights and biases are *early* parameters here: B asks autograd for them too, and gets
 only what reaches them by other paths (a weight tied to an embedding in the same stage).
-Where no other parameter needs the graph, B frees it.
+The step runner makes vector parameters (norm weights, other biases) early as well: their
+gradients are reductions, cheap next to B's GEMMs, as in the zero-bubble paper's Megatron
+implementation, which defers only the Linear weight GEMMs. Where no other parameter is left
+for W (the walk's frontier is empty), B frees the graph.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Stage:
     clone_input: bool = False
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
-    early: list[int] = field(init=False)  # indices of the linears' parameters: B asks for them (split_backward)
+    early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
     skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
 
@@ -82,7 +82,10 @@ class Stage:
         self.skips = StageSkips(layers=has_skips(self.module))
         self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
         ids = {id(t) for lin in self.linears for t in (lin.weight, lin.bias) if t is not None}
-        self.early = [i for i, p in enumerate(self.params) if id(p) in ids]
+        # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
+        # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
+        early = fused_wgrad_enabled()
+        self.early = [i for i, p in enumerate(self.params) if early and (id(p) in ids or p.dim() <= 1)]
 
 
 @dataclass
