@@ -61,7 +61,7 @@ def _methods(stage: nn.Module, xs: list[Tensor], dys: list[Tensor]) -> dict[str,
 
     def split(deferred: bool) -> Callable[[], float]:
         def run() -> float:
-            records: list[Deferred] = [[] for _ in xs]
+            records = [Deferred() for _ in xs]
             outs = []
             for x, rec in zip(xs, records):
                 with accumulating_linears(linears, rec) if deferred else torch.enable_grad():

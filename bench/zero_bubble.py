@@ -101,12 +101,13 @@ def _counting_deferred(alive: _Alive) -> Iterator[None]:
     attribute = DeferringLinear.__dict__["backward"]
 
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        before = len(ctx.store)
+        records = ctx.store.records
+        before = len(records)
         out = plain(ctx, grad)
-        if len(ctx.store) > before:
-            record = _Record(ctx.store[-1])
+        if len(records) > before:
+            record = _Record(records[-1])
             record.held = [_Held(t, alive, _worker.index) for t in record[2:]]
-            ctx.store[-1] = record
+            records[-1] = record
         return out
 
     DeferringLinear.backward = staticmethod(backward)  # type: ignore[method-assign]

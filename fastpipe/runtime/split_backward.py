@@ -21,9 +21,11 @@ So B + W cost what one combined backward costs, plus a graph walk per micro-batc
 
 Plain ``nn.Linear`` layers skip the walk's machinery: under a split their forward runs as
 :class:`~fastpipe.runtime.wgrad.DeferringLinear`, whose backward in B computes ``dx`` and
-records ``(x, dy)``; W sums ``dyᵀ x`` into the running gradient inside the GEMM. Their
-weights and biases are *early* parameters here: B asks autograd for them too, and gets
-only what reaches them by other paths (a weight tied to an embedding in the same stage).
+records ``(x, dy)``; W sums ``dyᵀ x`` into the running gradient inside the GEMM. The
+weights and biases of the Linears that deferred in the forward (not those that fell back
+to ``F.linear``, under autocast say) are *early* parameters here: B asks autograd for them
+too, and gets only what reaches them by other paths (a weight tied to an embedding in the
+same stage).
 The step runner makes vector parameters (norm weights, other biases) early as well: their
 gradients are reductions, cheap next to B's GEMMs, as in the zero-bubble paper's Megatron
 implementation, which defers only the Linear weight GEMMs. Where no other parameter is left
@@ -79,9 +81,11 @@ def backward_inputs(
 ) -> tuple[list[Tensor | None], WeightWork]:
     """B: gradients w.r.t. ``leaves``; returns them and the work W still has to do.
 
-    ``early`` indexes the parameters whose gradients B takes as well (deferred Linears'
-    weights and biases, whose GEMM work goes into ``records`` during this call).
+    ``early`` indexes parameters whose gradients B takes as well; so do those of the Linears
+    that ``records`` says deferred in the forward (their GEMM work goes into it during B).
     """
+    routed = records.routed if records is not None else set()
+    early = sorted({*early, *(i for i, p in enumerate(params) if id(p) in routed)})
     early_set = set(early)
     late = [i for i in range(len(params)) if i not in early_set]
     b_leaves = [*leaves, *(params[i] for i in early)]
@@ -215,7 +219,7 @@ def backward_weights(work: WeightWork, sums: list[Tensor | None]) -> None:
                 add(i, g)
     for i, g in work.early:
         add(i, g)
-    if work.records:
+    if work.records is not None:
         apply_deferred(work.records, work.params, sums)
     work.groups, work.early, work.records = [], [], None
     work.keep = None

@@ -81,11 +81,10 @@ class Stage:
         self.side_names = declared(self.module)
         self.skips = StageSkips(layers=has_skips(self.module))
         self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
-        ids = {id(t) for lin in self.linears for t in (lin.weight, lin.bias) if t is not None}
         # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
         # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
         early = fused_wgrad_enabled()
-        self.early = [i for i, p in enumerate(self.params) if early and (id(p) in ids or p.dim() <= 1)]
+        self.early = [i for i, p in enumerate(self.params) if early and p.dim() <= 1]
 
 
 @dataclass
@@ -215,7 +214,7 @@ class StepRunner:
         (BW), or deferred by B to W (see fastpipe.runtime.wgrad)."""
         split = (s, m) in self.state.schedule.split_pairs
         return accumulating_linears(
-            self.stages[s].linears, self.state.deferred.setdefault((s, m), []) if split else None
+            self.stages[s].linears, self.state.deferred.setdefault((s, m), Deferred()) if split else None
         )
 
     def _task_rng(self, s: int, m: int) -> Callable[[], Any]:
@@ -348,7 +347,7 @@ class StepRunner:
         s, m = action.stage, action.microbatch
         task, pairs, leaves, started = self._prepare_backward(s, m)
         stage = self.stages[s]
-        records = self.state.deferred.pop((s, m), [])
+        records = self.state.deferred.pop((s, m), None) or Deferred()
         # A recompute inside the backward defers too; the hooks see the step's sum (param_hooks).
         with accumulating_linears(stage.linears, records), hooks_set_aside(stage.params), _streams(task):
             leaf_grads, task.weight_work = backward_inputs(

@@ -90,8 +90,19 @@ def _summed(running: Tensor | None, g2: Tensor, x2: Tensor, weight: Tensor) -> T
     return running + g2.t().mm(x2)  # a sum autograd left in another form: add out of place, as AccumulateGrad would
 
 
-Deferred = list[tuple[Tensor, "Tensor | None", Tensor, Tensor]]
-"""A micro-batch's deferred Linear weight work: (weight, bias, x, dy) per call."""
+class Deferred:
+    """A micro-batch's deferred Linear work.
+
+    ``routed`` holds the ids of the weights and biases whose Linear took the deferring path
+    in the forward (one that fell back, under autocast say, left its gradient to autograd);
+    ``records`` one ``(weight, bias, x, dy)`` per Linear call that B ran.
+    """
+
+    __slots__ = ("routed", "records")
+
+    def __init__(self) -> None:
+        self.routed: set[int] = set()
+        self.records: list[tuple[Tensor, Tensor | None, Tensor, Tensor]] = []
 
 
 class DeferringLinear(torch.autograd.Function):
@@ -118,7 +129,7 @@ class DeferringLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if wanted else None
         if not ctx.recorded:
             ctx.recorded = True
-            ctx.store.append((ctx.param, ctx.bias, x, grad))
+            ctx.store.records.append((ctx.param, ctx.bias, x, grad))
         return grad_x, None, None, None
 
 
@@ -128,7 +139,7 @@ def apply_deferred(store: Deferred, params: Sequence[Tensor], sums: list[Tensor 
     ``sums[i]`` is the running sum of ``params[i]``; records are consumed.
     """
     index = {id(p): i for i, p in enumerate(params)}
-    for weight, bias, x, grad in store:
+    for weight, bias, x, grad in store.records:
         g2 = grad.reshape(-1, grad.shape[-1])
         i = index[id(weight)]
         sums[i] = _summed(sums[i], g2, x.reshape(-1, x.shape[-1]), weight)
@@ -137,7 +148,7 @@ def apply_deferred(store: Deferred, params: Sequence[Tensor], sums: list[Tensor 
             db = g2.sum(0)
             prev = sums[j]
             sums[j] = db if prev is None else prev.add_(db)
-    store.clear()
+    store.records.clear()
 
 
 def fusable_linears(module: nn.Module, params: Sequence[Tensor]) -> list[nn.Linear]:
@@ -166,6 +177,7 @@ def _forward(self: nn.Linear, store: Deferred | None, x: Tensor) -> Tensor:
     if _fusable(x, self.weight, self.bias):
         if store is None:
             return AccumulatingLinear.apply(x, self.weight, self.bias)
+        store.routed.update(id(t) for t in (self.weight, self.bias) if t is not None)
         return DeferringLinear.apply(x, self.weight, self.bias, store)
     return F.linear(x, self.weight, self.bias)
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpipe.runtime.split_backward import backward_inputs, backward_weights
+from fastpipe.runtime.step import Stage
 from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
 
 GEMMS = {"mm", "addmm", "bmm", "matmul", "linear"}
@@ -87,23 +88,21 @@ def _plain(
 def _split(
     model: nn.Module, x: torch.Tensor, dy: torch.Tensor, gemms: dict[str, _Gemms] | None = None
 ) -> list[torch.Tensor | None]:
-    params = list(model.parameters())
-    linears = fusable_linears(model, params)
-    ids = {id(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None}
-    early = [i for i, p in enumerate(params) if id(p) in ids]
-    records: Deferred = []
+    stage = Stage(model, torch.device("cpu"))  # the step runner's choices of linears and early params
+    params = stage.params
+    records = Deferred()
     xs = x.detach().requires_grad_(x.requires_grad)  # a leaf, as a stage's input is
-    with accumulating_linears(linears, records):
+    with accumulating_linears(stage.linears, records):
         out = model(xs)
-    assert records == []  # the forward defers nothing yet
+    assert records.records == []  # the forward defers nothing yet
     leaves = [xs] if x.requires_grad else []
     gemms = gemms if gemms is not None else {"B": _Gemms(), "W": _Gemms()}
     with gemms["B"]:
-        leaf_grads, work = backward_inputs([out], [dy], leaves, params, early=early, records=records)
+        leaf_grads, work = backward_inputs([out], [dy], leaves, params, early=stage.early, records=records)
     sums: list[torch.Tensor | None] = [None] * len(params)
     with gemms["W"]:
         backward_weights(work, sums)
-    assert records == []  # consumed by W
+    assert records.records == []  # consumed by W
     return [*sums, *leaf_grads]
 
 
@@ -145,11 +144,11 @@ def test_b_frees_the_graph_when_only_linears_hold_parameters() -> None:
     model = nn.Sequential(_Block(norm=False))
     x = torch.randn(3, 6, requires_grad=True)
     params = list(model.parameters())
-    records: Deferred = []
+    records = Deferred()
     with accumulating_linears(fusable_linears(model, params), records):
         out = model(x)
-    _, work = backward_inputs([out], [torch.ones_like(out)], [x], params, early=range(len(params)), records=records)
-    assert work.groups == [] and len(records) == 2
+    _, work = backward_inputs([out], [torch.ones_like(out)], [x], params, records=records)
+    assert work.groups == [] and len(records.records) == 2
     with pytest.raises(RuntimeError, match="second time"):
         out.backward(torch.ones_like(out))
 
@@ -168,7 +167,7 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
     plain_apply = split_backward.apply_deferred
 
     def counting(store: Deferred, params: list[torch.Tensor], sums: list[torch.Tensor | None]) -> None:
-        applied.append(len(store))
+        applied.append(len(store.records))
         plain_apply(store, params, sums)
 
     monkeypatch.setattr(split_backward, "apply_deferred", counting)
@@ -179,3 +178,20 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
     nn.functional.mse_loss(ref(x), y).backward()
     for p, q in zip(pipe.parameters(), ref.parameters()):  # summed over micro-batches in another order
         assert_close_reordered(p.grad, q.grad, k=8 + 4 * (6 + 10))
+
+
+def test_a_linear_that_falls_back_is_still_split_by_the_graph() -> None:
+    """Under autocast the Linears run as F.linear: their weight GEMMs must still wait for W."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    weights = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+    x, dy = torch.randn(5, 6, requires_grad=True), torch.randn(5, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _plain(model, x, dy)
+        gemms = {"B": _Gemms(), "W": _Gemms()}
+        got = _split(model, x, dy, gemms)
+    assert not set(weights) & set(gemms["B"].shapes)
+    assert sorted(s for s in gemms["W"].shapes if s in weights) == sorted(weights)
+    for a, b in zip(got, ref):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same bf16 ops, in another call
