@@ -195,3 +195,16 @@ def test_a_linear_that_falls_back_is_still_split_by_the_graph() -> None:
     for a, b in zip(got, ref):
         assert a is not None and b is not None
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same bf16 ops, in another call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_b_then_w_on_gpu_equals_one_backward(input_grad: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block()).double().cuda()
+    x = torch.randn(4, 6, dtype=torch.float64, device="cuda", requires_grad=input_grad)
+    dy = torch.randn(4, 6, dtype=torch.float64, device="cuda")
+    for a, b in zip(_split(model, x, dy), _plain(model, x, dy)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
