@@ -47,6 +47,7 @@ from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears, fused_wgrad_enabled
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
+from fastpipe.schedule.fuse import adjacent_pairs
 from fastpipe.side_inputs import declared, run_layers, side_inputs_on
 from fastpipe.skips import StageSkips, has_skips
 
@@ -129,6 +130,7 @@ class StepState:
     side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
     draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
     deferred: dict[tuple[int, int], Deferred] = field(default_factory=dict)  # split pairs' Linear work, B to W
+    unsplit: set[tuple[int, int]] = field(default_factory=set)  # split pairs run combined at B (see feed)
 
 
 class StepRunner:
@@ -188,6 +190,10 @@ class StepRunner:
             # computed where the plain Sequential would compute one.
             flags = [self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(value)]
             self.transport.send_activation(0, m, value, flags)
+            if not any(flags):  # nobody waits for this B's gradient: where W follows at once, don't split
+                self.state.unsplit.add((0, m))
+        if self.state.unsplit:
+            self.state.unsplit &= adjacent_pairs(self.state.schedule)
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         stage = self.stages[s]
@@ -212,7 +218,7 @@ class StepRunner:
     def _linears(self, s: int, m: int) -> Any:
         """Route the stage's Linears for task (s, m): summed into ``.grad`` by a combined backward
         (BW), or deferred by B to W (see fastpipe.runtime.wgrad)."""
-        split = (s, m) in self.state.schedule.split_pairs
+        split = (s, m) in self.state.schedule.split_pairs and (s, m) not in self.state.unsplit
         return accumulating_linears(
             self.stages[s].linears, self.state.deferred.setdefault((s, m), Deferred()) if split else None
         )
@@ -345,6 +351,8 @@ class StepRunner:
     def backward_input(self, action: Action) -> float:
         """B: input gradients now; what the weights need is kept for W."""
         s, m = action.stage, action.microbatch
+        if (s, m) in self.state.unsplit:
+            return self.backward(action)
         task, pairs, leaves, started = self._prepare_backward(s, m)
         stage = self.stages[s]
         records = self.state.deferred.pop((s, m), None) or Deferred()
@@ -361,6 +369,8 @@ class StepRunner:
         """W: the deferred weight gradients of a B that already ran."""
         s, m = action.stage, action.microbatch
         started = time.perf_counter()
+        if (s, m) in self.state.unsplit:
+            return started
         task = self.state.tasks.pop((s, m))
         assert task.weight_work is not None, f"W before B for {action}"
         with hooks_set_aside(self.stages[s].params), _streams(task):

@@ -2,11 +2,13 @@
 
 A split backward (B first, W in a bubble) lets the input gradient leave early and fills
 bubbles with W. Where a worker runs W right after its own B anyway, the split buys little: the
-gradient leaves one W earlier, at the price of the split's own cost (a graph walk and hooks,
-measured at 6-10% of a combined backward on the CPU reference stages; see
-:mod:`fastpipe.runtime.split_backward`). :func:`fuse_backward` runs each such pair as one
-``BW``. The simulator counts B + W = BW, so it only shows what the fusion costs (the later
-gradient); a measured step shows what it saves.
+gradient leaves one W earlier, at the price of the split's own cost (2-9% of a combined
+backward on the CPU reference stages, whose Linears defer their weight GEMMs; 50-80% where the
+graph walk splits every parameter; see :mod:`fastpipe.runtime.split_backward`).
+:func:`fuse_backward` runs each such pair as one ``BW``. The simulator counts B + W = BW, so
+it only shows what the fusion costs (the later gradient); a measured step shows what it saves.
+:func:`adjacent_pairs` lists the pairs, for a runtime that fuses those whose gradient nobody
+waits for.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ import dataclasses
 
 from fastpipe.schedule.ir import Action, Schedule
 
-__all__ = ["fuse_backward"]
+__all__ = ["adjacent_pairs", "fuse_backward"]
+
+
+def adjacent_pairs(schedule: Schedule) -> frozenset[tuple[int, int]]:
+    """The ``(stage, micro-batch)`` pairs whose worker runs ``W`` right after their ``B``, communication aside."""
+    found = set()
+    for actions in schedule.without_communication().workers:
+        for prev, a in zip(actions, actions[1:]):
+            if a.kind == "W" and prev.kind == "B" and (prev.stage, prev.microbatch) == (a.stage, a.microbatch):
+                found.add((a.stage, a.microbatch))
+    return frozenset(found)
 
 
 def fuse_backward(schedule: Schedule) -> Schedule:
@@ -28,23 +40,16 @@ def fuse_backward(schedule: Schedule) -> Schedule:
         ScheduleError: ``schedule`` itself is invalid.
     """
     base = schedule.without_communication()
+    pairs = adjacent_pairs(base)
     workers = []
     for actions in base.workers:
         out: list[Action] = []
         for a in actions:
-            prev = out[-1] if out else None
-            if (
-                a.kind == "W"
-                and prev is not None
-                and prev.kind == "B"
-                and (prev.stage, prev.microbatch)
-                == (
-                    a.stage,
-                    a.microbatch,
-                )
-            ):
-                out[-1] = Action("BW", a.stage, a.microbatch)
-            else:
+            if (a.stage, a.microbatch) not in pairs:
+                out.append(a)
+            elif a.kind == "B":
+                out.append(Action("BW", a.stage, a.microbatch))
+            elif a.kind != "W":
                 out.append(a)
         workers.append(tuple(out))
     fused = dataclasses.replace(base, name=f"{base.name}+fused", workers=tuple(workers))

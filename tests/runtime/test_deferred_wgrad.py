@@ -153,16 +153,19 @@ def test_b_frees_the_graph_when_only_linears_hold_parameters() -> None:
         out.backward(torch.ones_like(out))
 
 
-def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.MonkeyPatch, input_grad: bool) -> None:
+    """And runs a first-stage pair combined where no input gradient is wanted and W follows B at once."""
     from fastpipe import Pipe
     from fastpipe.runtime import split_backward
     from fastpipe.schedule import build
+    from fastpipe.schedule.fuse import adjacent_pairs
 
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block(), _Block(), _Block())
     ref = nn.Sequential(_Block(), _Block(), _Block(), _Block())
     ref.load_state_dict(model.state_dict())
-    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    x, y = torch.randn(8, 6, requires_grad=input_grad), torch.randn(8, 6)
     applied: list[int] = []
     plain_apply = split_backward.apply_deferred
 
@@ -172,10 +175,16 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(split_backward, "apply_deferred", counting)
     pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=4, checkpoint="never")
-    pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
-    splits = len(build("zb-h1", 4, 4).split_pairs)
+    pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1", trace=True)
+    schedule = build("zb-h1", 4, 4)
+    combined = set() if input_grad else {p for p in adjacent_pairs(schedule) if p[0] == 0}
+    assert input_grad or combined  # the case is exercised
+    splits = len(schedule.split_pairs - combined)
     assert splits > 0 and applied == [2] * splits  # each split pair's two Linears, deferred to its W
-    nn.functional.mse_loss(ref(x), y).backward()
+    ws = {e.action: e.end - e.start for e in pipe.last_timeline.events if "W" in e.action}
+    assert all(ws[f"0W{m}"] < 1e-3 for _, m in combined)  # their W had nothing left to do
+    x_ref = x.detach().requires_grad_(input_grad)
+    nn.functional.mse_loss(ref(x_ref), y).backward()
     for p, q in zip(pipe.parameters(), ref.parameters()):  # summed over micro-batches in another order
         assert_close_reordered(p.grad, q.grad, k=8 + 4 * (6 + 10))
 
