@@ -185,15 +185,15 @@ class StepRunner:
 
     def feed(self, microbatches: Sequence[Value]) -> None:
         """Deliver the micro-batches to stage 0."""
+        # The caller's tensors keep their own requires_grad: the input gradient is only
+        # computed where the plain Sequential would compute one.
+        flags = [[self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(v)] for v in microbatches]
+        # Nobody waits for such a B's gradient: where W follows at once, don't split. Settled
+        # before the first send, since stage 0's worker may start its forward at once.
+        unsplit = {(0, m) for m, f in enumerate(flags) if not any(f)}
+        self.state.unsplit = set(unsplit & adjacent_pairs(self.state.schedule)) if unsplit else set()
         for m, value in enumerate(microbatches):
-            # The caller's tensors keep their own requires_grad: the input gradient is only
-            # computed where the plain Sequential would compute one.
-            flags = [self.grad and _differentiable(t) and t.requires_grad for t in tensors_of(value)]
-            self.transport.send_activation(0, m, value, flags)
-            if not any(flags):  # nobody waits for this B's gradient: where W follows at once, don't split
-                self.state.unsplit.add((0, m))
-        if self.state.unsplit:
-            self.state.unsplit &= adjacent_pairs(self.state.schedule)
+            self.transport.send_activation(0, m, value, flags[m])
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         stage = self.stages[s]
