@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from fastpipe.amp import distributed_loss_scale
 from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.distributed_step import rank_step
 from fastpipe.errors import PipelineError
-from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
+from fastpipe.microbatch import Value
 from fastpipe.partition import check_balance, check_module, first_layer_in_place
-from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -44,18 +44,15 @@ from fastpipe.runtime.ranks import check_same_settings, gather_objects, pipeline
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.tie_group import RankTies
 from fastpipe.runtime.worker import CallerState
+from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for, placement_for
-from fastpipe.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.step_rules import (
     Checkpoint,
     check_checkpoint,
     check_chunks,
     check_loss_fn,
     checkpoint_predicate,
-    loss_weights,
     microbatch_loss,
-    microbatch_weights,
-    split_targets,
 )
 from fastpipe.trace import Timeline
 
@@ -269,6 +266,7 @@ class DistributedPipe(nn.Module):
         *,
         scaler: torch.amp.GradScaler | None = None,
         trace: bool = False,
+        schedule: Schedule | None = None,
         **side: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch; call it on every rank.
@@ -287,6 +285,10 @@ class DistributedPipe(nn.Module):
         all, so that an overflow on one rank skips the step on every rank (see
         :mod:`fastpipe.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
 
+        ``schedule``: a :class:`~fastpipe.schedule.Schedule` to run instead of the pipe's (one
+        from :func:`fastpipe.schedule.fuse.fuse_backward`, say), for this pipe's stages, ranks
+        and placement and this step's micro-batches; every rank passes the same one (checked).
+
         ``side``: side inputs (``attention_mask=mask``), as for :meth:`fastpipe.Pipe.train_step`.
         Every rank passes the same ones: each splits its own copy with the micro-batch sizes of
         stage 0's input (nothing is sent), and its stages' layers receive those they declare.
@@ -296,48 +298,22 @@ class DistributedPipe(nn.Module):
         check_loss_fn(loss_fn)
         runtime = self._runtime
         self.last_timeline = runtime.start_timeline(trace)
-        microbatches: list[Value] | None = None
-        sizes: list[int] | None = None
-        side_mbs: list[dict[str, Any]] = []
         here = f"stage {','.join(map(str, self._stages))}"
-        with runtime.reported(here):
-            check_side_inputs(self._side_names, side)
-        if self.is_first:
-            with runtime.reported("stage 0"):
-                if input is None:
-                    raise ValueError("fastpipe: stage 0's rank needs the input")
-                check_value(input, "input")
-                microbatches = scatter(to_device(input, self.device), self.chunks)
-                sizes = [batch_size(x) for x in microbatches]
-                side_mbs = split_side_inputs(side, sum(sizes), self.chunks, len(sizes)) if side else []
-        sizes, step_seed = runtime.broadcast_sizes(sizes, self.chunks, draw_step_seed() if self.is_first else 0)
-        count = len(sizes)
-        if side and not self.is_first:
-            with runtime.reported(here):
-                side_mbs = split_side_inputs(side, sum(sizes), self.chunks, count)
-        targets: list[Any] = [None] * count
-        if self.is_last:
-            with runtime.reported(f"stage {len(self.balance) - 1}"):
-                split = split_targets(target, self.chunks, sizes)
-                # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
-                weights = microbatch_weights(loss_fn, split, sizes, "train_step")
-                targets = [to_device(t, self.device) for t in split]
-        else:  # only the last rank runs the loss, so only its weights count
-            weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
-        sched = build_for(self.schedule, len(self.balance), runtime.size, count)
+        step = rank_step(self, input, target, loss_fn, side, schedule, here)
+        count = len(step.sizes)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, count)
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
         self._ties.refresh()
         outcome = runtime.train(
-            sched,
-            microbatches,
-            LossSpec(microbatch_loss(loss_fn, targets), targets, [w * scale for w in weights]),
+            step.schedule,
+            step.microbatches,
+            LossSpec(microbatch_loss(loss_fn, step.targets), step.targets, [w * scale for w in step.weights]),
             checkpoint=checkpoint,
             caller=CallerState.capture(),
-            step_seed=step_seed,
-            side=side_mbs,
+            step_seed=step.step_seed,
+            side=step.side,
         )
         self._ties.check_constant()
         if scaling:

@@ -326,7 +326,7 @@ def pipe_schedule(
             raise ValueError("fastpipe: schedule='auto' needs the stages and a step's micro-batches to measure on")
         return auto.schedule(name)
     if isinstance(name, Schedule):
-        return _given_schedule(name, stages, microbatches)
+        return given_schedule(name, stages, microbatches)
     if virtual_stages < 1 or stages % virtual_stages:
         raise ValueError(
             f"fastpipe: {stages} stages cannot be spread over workers with virtual_stages={virtual_stages}; "
@@ -348,7 +348,7 @@ def pipe_schedule(
     return build_for(str(name), stages, stages // virtual_stages, microbatches)
 
 
-def _given_schedule(schedule: Schedule, stages: int, microbatches: int) -> Schedule:
+def given_schedule(schedule: Schedule, stages: int, microbatches: int) -> Schedule:
     """A schedule built by the caller (IR data): it must fit this pipe and this step."""
     if schedule.minibatch_size:
         raise ValueError("fastpipe: train_step runs one step; a stream of mini-batches (U actions) is fit's")

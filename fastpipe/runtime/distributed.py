@@ -247,23 +247,23 @@ class DistributedRuntime:
         return timeline
 
     def broadcast_sizes(
-        self, sizes: Sequence[int] | None, max_chunks: int, step_seed: int = 0
-    ) -> tuple[list[int], int]:
-        """Share the micro-batch sizes and the step's seed from stage 0's rank with the pipeline.
+        self, sizes: Sequence[int] | None, max_chunks: int, step_seed: int = 0, digest: int = 0
+    ) -> tuple[list[int], int, int]:
+        """Share the micro-batch sizes, the step's seed and a schedule digest from stage 0's rank.
 
-        Returns ``(sizes, step_seed)`` as stage 0's rank gave them, so that every stage draws
-        its dropout masks from the same step seed as in a one-process run.
+        Returns ``(sizes, step_seed, digest)`` as stage 0's rank gave them, so that every stage
+        draws its dropout masks from the same step seed as in a one-process run, and every rank
+        can check that it runs stage 0's schedule (:mod:`fastpipe.schedule.digest`).
         """
         self.watchdog.check()
-        buf = torch.zeros(max_chunks + 2, dtype=torch.int64)
+        buf = torch.zeros(max_chunks + 3, dtype=torch.int64)
         if self.rank == self.first_rank:
             assert sizes is not None
-            buf[0] = len(sizes)
-            buf[1] = step_seed
-            buf[2 : 2 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
+            buf[0], buf[1], buf[2] = len(sizes), step_seed, digest
+            buf[3 : 3 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
         buf = self.broadcast(buf, self.first_rank, "the micro-batch sizes")
         count = int(buf[0])
-        return [int(v) for v in buf[2 : 2 + count]], int(buf[1])
+        return [int(v) for v in buf[3 : 3 + count]], int(buf[1]), int(buf[2])
 
     def train(
         self,

@@ -100,3 +100,56 @@ def test_distributed_pipe_refuses_what_does_not_fit_the_placement() -> None:
         assert "zb-v runs 2 stages per worker in a V: 4 stages on 2 workers; got 2 stages" in messages[1]
         assert "at least as many micro-batches as stages: 4" in messages[2]
         assert "places the stages on ranks [0, 1, 0, 1]" in messages[3] and "[0, 1, 1, 0]" in messages[3]
+
+
+def _given(rank: int, world: int) -> tuple[list[str], list[str]]:
+    from fastpipe import Pipe, PipelineError
+    from fastpipe.distributed_pipe import DistributedPipe
+    from fastpipe.schedule import build
+    from fastpipe.schedule.builders import build_for
+    from fastpipe.schedule.fuse import fuse_backward
+
+    problems, messages = [], []
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, HIDDEN, generator=g), torch.randn(8, HIDDEN, generator=g)
+    fused = fuse_backward(build("zb-v", world, 4))
+    pipe = DistributedPipe(make_model(), [2, 2, 2, 2], chunks=4, schedule="zb-v", timeout=20)
+    local = Pipe(make_model(), [2, 2, 2, 2], chunks=4, schedule="zb-v", virtual_stages=2)
+    args = (x if pipe.is_first else None, y if pipe.is_last else None, nn.MSELoss())
+    loss = pipe.train_step(*args, schedule=fused, trace=True)
+    expected = local.train_step(x, y, nn.MSELoss(), schedule=fused)
+    if not torch.equal(loss, expected):
+        problems.append(f"loss {loss.item()} != local {expected.item()}")
+    ref = dict(local.named_parameters())
+    for n, p in pipe.named_parameters():
+        if p.grad is None or not torch.equal(p.grad, ref[n].grad):
+            problems.append(f"grad of {n} differs from the local Pipe")
+    ran = {e.action for e in pipe.last_timeline.events}
+    mine = {str(a) for a in fused.workers[rank]}
+    if not mine <= ran or not any("BW" in a for a in ran):
+        problems.append(f"rank {rank} ran {sorted(ran)}, not the given schedule's {sorted(mine)}")
+    for bad in (fuse_backward(build("zb-v", world, 8)), build_for("interleaved", 4, world, 4)):
+        try:  # every rank refuses alike, and the pipe stays usable
+            pipe.train_step(*args, schedule=bad)
+        except ValueError as exc:
+            messages.append(str(exc))
+    pipe.zero_grad(set_to_none=True)
+    pipe.train_step(*args)
+    try:  # rank 1 passes no schedule: it raises, rank 0 learns it
+        pipe.train_step(*args, schedule=fused if rank == 0 else None)
+    except (ValueError, PipelineError) as exc:
+        messages.append(f"{type(exc).__name__}: {exc}")
+    pipe.close()
+    local.close()
+    return problems, messages
+
+
+def test_distributed_train_step_runs_a_given_schedule(transport: str) -> None:
+    for rank, (problems, messages) in enumerate(check_ok(run_ranks(_given, 2, timeout=120))):
+        assert problems == [], f"rank {rank}: {problems}"
+        assert "is for 4 stages and 8 micro-batches" in messages[0]
+        assert "places the stages on ranks [0, 1, 0, 1]" in messages[1]
+        if rank == 1:
+            assert messages[2].startswith("ValueError") and "is not stage 0's rank's" in messages[2]
+        else:
+            assert messages[2].startswith("PipelineError") and "is not stage 0's rank's" in messages[2]
