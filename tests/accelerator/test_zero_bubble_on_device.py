@@ -7,6 +7,7 @@ backward) then run both. Losses and gradients match the plain model on CPU.
 
 import pytest
 import torch
+from _eight_layers import K, model
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
@@ -14,21 +15,6 @@ from fastpipe import Pipe
 from fastpipe.schedule.placement import v_shape
 
 CPU = torch.device("cpu")
-K = 8 + 16 + 16 + 16 + 8 + 8 * 16 + 16  # reductions from input to loss, plus the rows a weight gradient sums
-
-
-def model():
-    torch.manual_seed(3)
-    return nn.Sequential(
-        nn.Linear(8, 16),
-        nn.GELU(),
-        nn.LayerNorm(16),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 8),
-        nn.Linear(8, 8),
-        nn.ReLU(),
-    )
 
 
 @pytest.mark.parametrize("placement", ["emu,emu,emu,emu", "cpu,emu,emu,cpu", "emu,cpu,cpu,emu"])

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from _eight_layers import K, model
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
@@ -16,23 +17,6 @@ from fastpipe.auto_schedule import AutoSchedule
 from fastpipe.balance import profile_layers
 from fastpipe.schedule import SCHEDULES
 from fastpipe.schedule.simulate import peak_memory
-
-# Reductions from input to loss plus the rows a weight gradient sums over (see tests/fp_tolerance.py).
-K = 8 + 16 + 16 + 16 + 8 + 8 * 16 + 16
-
-
-def model() -> nn.Sequential:
-    torch.manual_seed(3)
-    return nn.Sequential(
-        nn.Linear(8, 16),
-        nn.GELU(),
-        nn.LayerNorm(16),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 8),
-        nn.Linear(8, 8),
-        nn.ReLU(),
-    )
 
 
 def reference(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
