@@ -191,7 +191,7 @@ class StepRunner:
         # Nobody waits for such a B's gradient: where W follows at once, don't split. Settled
         # before the first send, since stage 0's worker may start its forward at once.
         unsplit = {(0, m) for m, f in enumerate(flags) if not any(f)}
-        self.state.unsplit = set(unsplit & adjacent_pairs(self.state.schedule)) if unsplit else set()
+        self.state.unsplit = unsplit & adjacent_pairs(self.state.schedule) if unsplit else set()
         for m, value in enumerate(microbatches):
             self.transport.send_activation(0, m, value, flags[m])
 
@@ -218,10 +218,12 @@ class StepRunner:
     def _linears(self, s: int, m: int) -> Any:
         """Route the stage's Linears for task (s, m): summed into ``.grad`` by a combined backward
         (BW), or deferred by B to W (see fastpipe.runtime.wgrad)."""
-        split = (s, m) in self.state.schedule.split_pairs and (s, m) not in self.state.unsplit
-        return accumulating_linears(
-            self.stages[s].linears, self.state.deferred.setdefault((s, m), Deferred()) if split else None
-        )
+        if (s, m) not in self.state.schedule.split_pairs or (s, m) in self.state.unsplit:
+            return accumulating_linears(self.stages[s].linears)
+        store = self.state.deferred.get((s, m))
+        if store is None:  # made by the forward (a checkpointed one's replay); B takes it to W
+            store = self.state.deferred[(s, m)] = Deferred()
+        return accumulating_linears(self.stages[s].linears, store)
 
     def _task_rng(self, s: int, m: int) -> Callable[[], Any]:
         """What to enter around task (s, m) so that its random ops draw from its own streams.

@@ -14,12 +14,14 @@ waits for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from fastpipe.schedule.ir import Action, Schedule
 
 __all__ = ["adjacent_pairs", "fuse_backward"]
 
 
+@functools.lru_cache(maxsize=64)  # asked once a step, of the same few schedules
 def adjacent_pairs(schedule: Schedule) -> frozenset[tuple[int, int]]:
     """The ``(stage, micro-batch)`` pairs whose worker runs ``W`` right after their ``B``, communication aside."""
     found = set()
