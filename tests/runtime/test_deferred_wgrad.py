@@ -203,7 +203,7 @@ def test_a_linear_that_falls_back_is_still_split_by_the_graph() -> None:
     assert sorted(s for s in gemms["W"].shapes if s in weights) == sorted(weights)
     for a, b in zip(got, ref):
         assert a is not None and b is not None
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same bf16 ops, in another call
+        assert_close_reordered(a, b, k=2 * (6 + 10) + 5, dtype=torch.bfloat16)  # bf16 GEMMs, other calls
 
 
 @pytest.mark.gpu
