@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fastpipe.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.rng import TaskRNG, may_draw, task_seed
@@ -42,50 +42,18 @@ from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.skip_flow import SkipFlow
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
+from fastpipe.runtime.stage import Stage
 from fastpipe.runtime.stage_checks import check_output, checked_loss, in_place_on_input
 from fastpipe.runtime.transport import Transport
-from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears, fused_wgrad_enabled
+from fastpipe.runtime.wgrad import CarriedRecords, Deferred, accumulating_linears, wgrad_batch
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
-from fastpipe.schedule.fuse import adjacent_pairs
-from fastpipe.side_inputs import declared, run_layers, side_inputs_on
-from fastpipe.skips import StageSkips, has_skips
+from fastpipe.schedule.fuse import adjacent_pairs, weight_batches
+from fastpipe.side_inputs import run_layers, side_inputs_on
 
 __all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "Recorder"]
 
 Recorder = Callable[[int, str, float, float], None]
-
-
-@dataclass
-class Stage:
-    """One contiguous slice of the model, pinned to a device.
-
-    Attributes:
-        module: the layers of this stage.
-        device: where its parameters live and its work runs.
-        clone_input: copy the incoming activation before use, because the first layer
-            works in place and would otherwise write into a tensor that autograd (or a
-            recompute) still needs.
-    """
-
-    module: nn.Module
-    device: torch.device
-    clone_input: bool = False
-    params: list[nn.Parameter] = field(init=False)
-    linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
-    early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
-    side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
-    skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
-
-    def __post_init__(self) -> None:
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.side_names = declared(self.module)
-        self.skips = StageSkips(layers=has_skips(self.module))
-        self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
-        # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
-        # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
-        early = fused_wgrad_enabled()
-        self.early = [i for i, p in enumerate(self.params) if early and p.dim() <= 1]
 
 
 @dataclass
@@ -131,6 +99,7 @@ class StepState:
     draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
     deferred: dict[tuple[int, int], Deferred] = field(default_factory=dict)  # split pairs' Linear work, B to W
     unsplit: set[tuple[int, int]] = field(default_factory=set)  # split pairs run combined at B (see feed)
+    carried: CarriedRecords | None = None  # deferred work handed from W to W (see wgrad)
 
 
 class StepRunner:
@@ -192,8 +161,14 @@ class StepRunner:
         # before the first send, since stage 0's worker may start its forward at once.
         unsplit = {(0, m) for m, f in enumerate(flags) if not any(f)}
         self.state.unsplit = unsplit & adjacent_pairs(self.state.schedule) if unsplit else set()
+        self._batch_weights()
         for m, value in enumerate(microbatches):
             self.transport.send_activation(0, m, value, flags[m])
+
+    def _batch_weights(self) -> None:
+        """Which Ws hand their Linear work to a later W (see wgrad.CarriedRecords); the unsplit pairs do none."""
+        carry = weight_batches(self.state.schedule, wgrad_batch(), frozenset(self.state.unsplit))
+        self.state.carried = CarriedRecords(carry)
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:
         stage = self.stages[s]
@@ -374,9 +349,14 @@ class StepRunner:
         if (s, m) in self.state.unsplit:
             return started
         task = self.state.tasks.pop((s, m))
-        assert task.weight_work is not None, f"W before B for {action}"
+        work = task.weight_work
+        assert work is not None, f"W before B for {action}"
+        if self.state.carried is None:  # a rank without stage 0 (never fed) runs its Ws on one thread
+            self._batch_weights()
+        assert self.state.carried is not None
+        work.records = self.state.carried.take((s, m), work.records)
         with hooks_set_aside(self.stages[s].params), _streams(task):
-            backward_weights(task.weight_work, self.param_grads[s])
+            backward_weights(work, self.param_grads[s])
         return started
 
 

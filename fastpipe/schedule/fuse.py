@@ -9,16 +9,22 @@ graph walk splits every parameter; see :mod:`fastpipe.runtime.split_backward`).
 it only shows what the fusion costs (the later gradient); a measured step shows what it saves.
 :func:`adjacent_pairs` lists the pairs, for a runtime that fuses those whose gradient nobody
 waits for.
+
+:func:`weight_batches` groups a stage's W actions, in its worker's order, into batches of a
+given width: the runtime runs the weight GEMMs of a batch at its last W, over the stacked
+rows of its micro-batches (see :class:`fastpipe.runtime.wgrad.CarriedRecords`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+from collections.abc import Mapping
 
-from fastpipe.schedule.ir import Action, Schedule
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 
-__all__ = ["adjacent_pairs", "fuse_backward"]
+__all__ = ["adjacent_pairs", "fuse_backward", "weight_batches"]
 
 
 @functools.lru_cache(maxsize=64)  # asked once a step, of the same few schedules
@@ -57,3 +63,41 @@ def fuse_backward(schedule: Schedule) -> Schedule:
     fused = dataclasses.replace(base, name=f"{base.name}+fused", workers=tuple(workers))
     fused.validate()
     return fused
+
+
+@functools.lru_cache(maxsize=64)  # asked once a step, of the same few schedules
+def weight_batches(
+    schedule: Schedule, width: int, skip: frozenset[tuple[int, int]] = frozenset()
+) -> Mapping[tuple[int, int], tuple[int, int]]:
+    """Each ``W(s, m)`` that hands its weight work on, mapped to the later ``W(s, m')`` that runs it.
+
+    A stage's W actions, in its worker's order, form batches of ``width``; every W of a batch
+    maps to its last. A ``U`` of the stage (a weight update) closes the batch, since the work
+    must reach the sum that the update reads. The pairs in ``skip`` (W actions that do no
+    weight work of their own) are left out.
+
+    Raises:
+        ScheduleError: ``width`` below 1.
+    """
+    if width < 1:
+        raise ScheduleError(f"a weight batch holds at least 1 micro-batch, got width={width}")
+    carry: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def close(batch: list[tuple[int, int]]) -> None:
+        for key in batch[:-1]:
+            carry[key] = batch[-1]
+        batch.clear()
+
+    for actions in schedule.workers:
+        batches: dict[int, list[tuple[int, int]]] = {}
+        for a in actions:
+            batch = batches.setdefault(a.stage, [])
+            if a.kind == "U":
+                close(batch)
+            elif a.kind == "W" and (a.stage, a.microbatch) not in skip:
+                batch.append((a.stage, a.microbatch))
+                if len(batch) == width:
+                    close(batch)
+        for batch in batches.values():  # a short last batch runs at its own last W
+            close(batch)
+    return types.MappingProxyType(carry)

@@ -174,6 +174,7 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
         plain_apply(store, params, sums)
 
     monkeypatch.setattr(split_backward, "apply_deferred", counting)
+    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "1")  # each W runs its own pair's work (batches: test_weight_batches)
     pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=4, checkpoint="never")
     pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1", trace=True)
     schedule = build("zb-h1", 4, 4)

@@ -1,0 +1,47 @@
+"""A pipeline stage: one contiguous slice of the model, pinned to a device, with what the
+step runner (:mod:`fastpipe.runtime.step`) needs to know of it before the first step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastpipe.runtime.wgrad import fusable_linears, fused_wgrad_enabled
+from fastpipe.side_inputs import declared
+from fastpipe.skips import StageSkips, has_skips
+
+__all__ = ["Stage"]
+
+
+@dataclass
+class Stage:
+    """One contiguous slice of the model, pinned to a device.
+
+    Attributes:
+        module: the layers of this stage.
+        device: where its parameters live and its work runs.
+        clone_input: copy the incoming activation before use, because the first layer
+            works in place and would otherwise write into a tensor that autograd (or a
+            recompute) still needs.
+    """
+
+    module: nn.Module
+    device: torch.device
+    clone_input: bool = False
+    params: list[nn.Parameter] = field(init=False)
+    linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
+    early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
+    side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
+    skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.side_names = declared(self.module)
+        self.skips = StageSkips(layers=has_skips(self.module))
+        self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
+        # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
+        # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
+        early = fused_wgrad_enabled()
+        self.early = [i for i, p in enumerate(self.params) if early and p.dim() <= 1]
