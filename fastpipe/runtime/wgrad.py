@@ -155,7 +155,10 @@ class DeferringLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if wanted else None
         if not ctx.recorded:
             ctx.recorded = True
-            ctx.store.records.append((ctx.param, ctx.bias, x, grad))
+            # Detached: W runs outside the engine, where a GEMM over an input that still
+            # requires grad would build a graph into the weight's gradient and keep every
+            # record (and the stage's graph) alive until that gradient is dropped.
+            ctx.store.records.append((ctx.param, ctx.bias, x.detach(), grad))
         return grad_x, None, None, None
 
 
@@ -165,6 +168,11 @@ def apply_deferred(store: Deferred, params: Sequence[Tensor], sums: list[Tensor 
     ``sums[i]`` is the running sum of ``params[i]``; records are consumed. Records of one
     Linear (its micro-batches carried together) go through one GEMM over their stacked rows.
     """
+    with torch.no_grad():  # W runs outside the engine: nothing here is differentiated
+        _apply_records(store, params, sums)
+
+
+def _apply_records(store: Deferred, params: Sequence[Tensor], sums: list[Tensor | None]) -> None:
     index = {id(p): i for i, p in enumerate(params)}
     # Linears that share a weight may still have biases of their own (a tie of weights only).
     by_linear: dict[tuple[int, int], list[tuple[Tensor, Tensor | None, Tensor, Tensor]]] = {}
@@ -210,6 +218,7 @@ class CarriedRecords:
         if into is None:
             return store
         self._pending.setdefault(into, []).extend(store.records)
+        store.records.clear()
         return None
 
 

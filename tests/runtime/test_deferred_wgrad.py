@@ -4,6 +4,7 @@ and B + W equal one plain backward, GEMM for GEMM."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpipe.runtime.split_backward import backward_inputs, backward_weights
 from fastpipe.runtime.step import Stage
-from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
+from fastpipe.runtime.wgrad import Deferred, DeferringLinear, accumulating_linears, fusable_linears
 
 GEMMS = {"mm", "addmm", "bmm", "matmul", "linear"}
 
@@ -218,3 +219,30 @@ def test_b_then_w_on_gpu_equals_one_backward(input_grad: bool) -> None:
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("width", ["1", "2"])
+def test_a_split_step_leaves_plain_gradients_and_frees_its_records(monkeypatch: pytest.MonkeyPatch, width: str) -> None:
+    """W runs outside the engine: its GEMMs must build no graph into .grad, nor keep a record alive."""
+    import gc
+    import weakref
+
+    from fastpipe import Pipe
+
+    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", width)
+    seen: list[weakref.ref] = []
+    plain_backward = DeferringLinear.backward
+
+    def watching(ctx: Any, grad: torch.Tensor) -> Any:
+        seen.append(weakref.ref(grad))
+        return plain_backward(ctx, grad)
+
+    monkeypatch.setattr(DeferringLinear, "backward", staticmethod(watching))
+    torch.manual_seed(0)
+    pipe = Pipe(nn.Sequential(_Block(), _Block(), _Block()), balance=[1, 1, 1], chunks=4, checkpoint="never")
+    x, y = torch.randn(8, 6, requires_grad=True), torch.randn(8, 6)
+    pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
+    gc.collect()
+    assert seen and not [r for r in seen if r() is not None]
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None and p.grad.grad_fn is None and not p.grad.requires_grad, name
