@@ -167,7 +167,12 @@ class StepRunner:
 
     def _batch_weights(self) -> None:
         """Which Ws hand their Linear work to a later W (see wgrad.CarriedRecords); the unsplit pairs do none."""
-        carry = weight_batches(self.state.schedule, wgrad_batch(), frozenset(self.state.unsplit))
+        carry: dict[tuple[int, int], tuple[int, int]] = {}
+        for s, stage in self.stages.items():
+            width = wgrad_batch(stage.device)
+            if width > 1:
+                batches = weight_batches(self.state.schedule, width, frozenset(self.state.unsplit))
+                carry.update((key, into) for key, into in batches.items() if key[0] == s)
         self.state.carried = CarriedRecords(carry)
 
     def _run_module(self, s: int, m: int, inputs: Value) -> Value:

@@ -28,8 +28,8 @@ and writes the whole sum for little arithmetic. Measured on the reference stages
 CPU thread, 8 sums cycling: 2.2-2.8 ms a GEMM for one 32-row micro-batch, 3.2 ms for two
 micro-batches stacked into 64 rows. :class:`CarriedRecords` lets a W hand its records on to a
 later W of the same stage (:func:`fastpipe.schedule.fuse.weight_batches` pairs them), which
-runs one GEMM over both; the records stay alive until then. ``FASTPIPE_WGRAD_BATCH`` sets how
-many micro-batches a batch holds (default 2; 1 runs each W's work at its own W).
+runs one GEMM over both; the records stay alive until then, which costs activation memory
+(:func:`wgrad_batch` says how many micro-batches a batch holds: 2 on a CPU by default).
 
 Whatever autograd would do differently falls back to ``F.linear``: autocast, mixed
 dtypes, tensor subclasses, frozen weights. Parameter hooks are no reason to fall back: the
@@ -69,13 +69,20 @@ def fused_wgrad_enabled() -> bool:
     return os.environ.get("FASTPIPE_FUSED_WGRAD", "1") != "0"
 
 
-def wgrad_batch() -> int:
-    """How many micro-batches' deferred Linear work one W runs together (``FASTPIPE_WGRAD_BATCH``, default 2).
+def wgrad_batch(device: torch.device) -> int:
+    """How many micro-batches' deferred Linear work one W runs together on ``device``.
+
+    ``FASTPIPE_WGRAD_BATCH`` where set, for every device. Otherwise 2 on a CPU, where a
+    micro-batch's GEMM is mostly the running sum's memory traffic (measured), and 1 elsewhere:
+    on a GPU the batching is not measured yet, and micro-batches of many rows make the GEMM
+    compute-bound while the carried records still cost memory.
 
     Raises:
         ValueError: the variable is not a whole number of at least 1.
     """
-    text = os.environ.get("FASTPIPE_WGRAD_BATCH", "2")
+    text = os.environ.get("FASTPIPE_WGRAD_BATCH")
+    if text is None:
+        return 2 if device.type == "cpu" else 1
     try:
         width = int(text)
     except ValueError:

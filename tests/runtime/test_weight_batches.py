@@ -91,7 +91,14 @@ def test_a_width_below_one_is_refused() -> None:
 def test_a_bad_batch_variable_is_refused(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", text)
     with pytest.raises(ValueError, match="FASTPIPE_WGRAD_BATCH must be a whole number"):
-        wgrad_batch()
+        wgrad_batch(torch.device("cpu"))
+
+
+def test_batching_is_on_for_cpu_stages_only_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTPIPE_WGRAD_BATCH", raising=False)
+    assert wgrad_batch(torch.device("cpu")) == 2 and wgrad_batch(torch.device("cuda", 0)) == 1
+    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "3")
+    assert wgrad_batch(torch.device("cpu")) == 3 and wgrad_batch(torch.device("cuda", 0)) == 3
 
 
 def _record(weight: nn.Parameter, bias: nn.Parameter | None, rows: int) -> tuple:
@@ -190,3 +197,18 @@ def test_a_bad_batch_variable_fails_the_step_and_the_pipe_recovers(monkeypatch: 
     pipe.zero_grad()
     loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
     assert torch.isfinite(loss) and all(p.grad is not None for p in pipe.parameters())
+
+
+def test_the_runner_batches_the_cpu_stages_and_leaves_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastpipe.runtime.stage import Stage
+    from fastpipe.runtime.step import StepRunner, StepState
+    from fastpipe.runtime.worker import CallerState
+
+    monkeypatch.delenv("FASTPIPE_WGRAD_BATCH", raising=False)
+    schedule = build("zb-h1", 2, 4)
+    stages = {0: Stage(nn.Linear(2, 2), torch.device("cpu")), 1: Stage(nn.Linear(2, 2), torch.device("cuda", 0))}
+    state = StepState(schedule, CallerState.capture(), 0)
+    runner = StepRunner(stages, 2, None, state, grad=True, checkpoint=lambda m: False, loss=None)  # type: ignore[arg-type]
+    runner._batch_weights()
+    assert state.carried is not None
+    assert dict(state.carried.carry) == {k: v for k, v in weight_batches(schedule, 2).items() if k[0] == 0} != {}
