@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from fp_tolerance import assert_close_reordered
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -19,7 +20,6 @@ from fastpipe.runtime.wgrad import CarriedRecords, Deferred, apply_deferred, wgr
 from fastpipe.schedule import ScheduleError, build
 from fastpipe.schedule.fuse import weight_batches
 from fastpipe.schedule.ir import Action, Schedule
-from tests.fp_tolerance import assert_close_reordered
 
 SPLIT = ("zb-h1", "zb-h2", "zb-v")
 
