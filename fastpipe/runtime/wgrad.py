@@ -216,9 +216,10 @@ class CarriedRecords:
     def take(self, key: tuple[int, int], store: Deferred | None) -> Deferred | None:
         """What W ``key`` applies now: its own records and those carried to it, or None if it hands them on."""
         carried = self._pending.pop(key, None)
-        if store is None:
-            assert carried is None, f"records carried to W{key}, whose B deferred nothing"
-            return None
+        if store is None:  # this W's B deferred nothing of its own
+            if carried is None:
+                return None
+            store = Deferred()
         if carried is not None:
             store.records[:0] = carried
         into = self.carry.get(key)

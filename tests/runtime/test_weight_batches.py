@@ -117,6 +117,11 @@ def test_carried_records_reach_the_batchs_last_w_in_order() -> None:
     out = carried.take((0, 2), stores[2])
     assert out is stores[2] and [r[2] for r in out.records] == [first[2], second[2], third[2]]
     assert carried.take((1, 0), None) is None  # a W whose B deferred nothing
+    late, early = CarriedRecords({(0, 0): (0, 1)}), Deferred()
+    early.records.append(first)
+    assert late.take((0, 0), early) is None and early.records == []
+    kept = late.take((0, 1), None)  # the last W of the batch deferred nothing itself
+    assert kept is not None and [r[2] for r in kept.records] == [first[2]]
 
 
 def test_stacked_records_give_the_per_record_sum_biases_apart() -> None:
