@@ -9,24 +9,83 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import transformers
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-__all__ = ["VOCAB", "DIM", "LAYERS", "SEQ", "tiny", "batch", "reference_step", "grads_by_name", "reduction_length"]
+__all__ = [
+    "VOCAB", "DIM", "LAYERS", "SEQ", "PLAN_FAMILIES", "family_params", "needs", "tiny", "batch",
+    "reference_step", "grads_by_name", "reduction_length",
+]  # fmt: skip
 
 VOCAB, DIM, LAYERS, SEQ = 100, 32, 4, 8
 
 # Families tested through their config's base_model_pp_plan, each with what it exercises.
-PLAN_FAMILIES = {
+PLAN_FAMILIES: dict[str, dict[str, object]] = {
     "llama": {},
     "mistral": {"sliding_window": 3},  # a sliding window on every layer, no layer_types
     "qwen2": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2},  # full, then sliding
     "qwen3": {},
     "phi3": {},  # fused qkv and gate_up projections
     "gemma": {},  # embeddings scaled inside its embedding module
+    "gemma2": {"sliding_window": 3},  # alternating sliding layers, soft-capped attention and logits
     "gemma3_text": {"sliding_window": 3},  # one rotary table per layer type
+    "gpt_neox": {},  # parallel attention and MLP, partial rotary
+    "gptj": {"rotary_dim": 4},  # interleaved rotary inside each layer, no rotary module in the base
+    "phi": {},  # Phi-2: partial rotary, one norm per layer
+    "olmo": {},  # norms without weights
+    "olmo2": {},  # norms after attention and MLP, q/k norms
+    "olmo3": {"sliding_window": 3},  # sliding and full layers
+    "cohere": {},  # logits scaled by logit_scale in the causal LM's forward, outside any module
+    "granite": {  # embeddings and logits scaled in the forwards, outside any module
+        "embedding_multiplier": 2.0,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+    },
+    "starcoder2": {"sliding_window": 3},  # a sliding window on every layer, biased projections
+    "glm": {},  # partial rotary of interleaved pairs
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # top-2 of 4 experts, routed per token
+    "qwen2_moe": {  # experts and a gated shared expert
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": DIM,
+        "shared_expert_intermediate_size": DIM,
+    },
+    "doge": {},  # a mask it always materialises (allow_is_causal_skip=False), and adds to
+    "beam": {  # NoPE layers with a position-dependent query scale beside rotary ones; grouped top-k experts
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": DIM,
+    },
 }
+
+
+def family_params(attns: tuple[str, ...] = ("sdpa", "eager")) -> list[object]:
+    """``(family, attn)`` pytest params for every plan family this transformers has, under the ``attns`` it offers."""
+    return [
+        pytest.param(family, attn, id=f"{family}-{attn}", marks=needs(family, plan=True))
+        for family in PLAN_FAMILIES
+        for attn in attns
+        if attn != "sdpa" or _has_sdpa(family)
+    ]
+
+
+def needs(family: str, plan: bool = False) -> pytest.MarkDecorator:
+    """Skip where this transformers lacks ``family`` (or, with ``plan``, its pp plan): the GPU host's is older."""
+    config = CONFIG_MAPPING[family] if family in CONFIG_MAPPING else None
+    missing = config is None or (plan and not getattr(config, "base_model_pp_plan", None))
+    return pytest.mark.skipif(missing, reason=f"this transformers has no {family!r} models{' with a plan' * plan}")
+
+
+def _has_sdpa(family: str) -> bool:
+    """Whether ``family``'s causal LM takes ``attn_implementation="sdpa"`` (Gemma 2 does not; GPT-J only lately)."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family)
+    return name is None or bool(getattr(transformers, name)._supports_sdpa)
 
 
 def tiny(
@@ -49,11 +108,12 @@ def tiny(
             attn_pdrop=0.0, **common, **extra,
         )  # fmt: skip
         return GPT2LMHeadModel(cfg).eval()
-    cfg = AutoConfig.for_model(
-        family, num_hidden_layers=layers, hidden_size=DIM, intermediate_size=2 * DIM, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=DIM // 4, max_position_embeddings=2 * SEQ,
+    settings = {
+        "num_hidden_layers": layers, "hidden_size": DIM, "intermediate_size": 2 * DIM, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": DIM // 4, "max_position_embeddings": 2 * SEQ,
         **common, **PLAN_FAMILIES.get(family, {}), **extra,
-    )  # fmt: skip
+    }  # fmt: skip
+    cfg = AutoConfig.for_model(family, **settings)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 

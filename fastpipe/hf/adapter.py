@@ -11,11 +11,19 @@ Two ways in, both reading the model rather than knowing its class:
                             "norm": (["hidden_states"], ["hidden_states"])}
       _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}        # on the ...ForCausalLM class
 
-  The entry that is an ``nn.ModuleList`` is the decoder layers; the entries before it make
-  the embedding layer, those after it the final norm, and the class's ``_pp_plan`` names the
-  head.
-* GPT-2 (``model_type == "gpt2"``), whose config has no plan: ``wte``, ``wpe`` and ``drop``
-  make the embedding layer, then ``h``, ``ln_f`` and ``lm_head``.
+  The entry that is an ``nn.ModuleList`` is the decoder layers; the entries before it go to
+  the embedding layer, those after it to the final norm, and the class's ``_pp_plan`` names
+  the head.
+* GPT-2 (``model_type == "gpt2"``), whose config has no plan: ``wte``, ``wpe`` and ``drop``,
+  then ``h``, ``ln_f`` and ``lm_head``.
+
+The plan says which modules each pipeline layer owns; what the model computes between them,
+each layer takes from the model's own forward (:mod:`fastpipe.hf.layers`). A model is
+refused, before anything runs, where state would travel between its layers outside the
+pipeline: modules with parameters outside the plan (Gemma 3n's AltUp and per-layer inputs),
+layer arguments that are neither tensors nor plain values (Gemma 4's shared KV states), layer
+arguments computed from the hidden states, or hidden states changed between layers
+(:mod:`fastpipe.hf.probe`).
 """
 
 from __future__ import annotations
@@ -24,16 +32,22 @@ from typing import Any
 
 from torch import nn
 
-from fastpipe.hf.layers import DecoderBlock, Embeddings, FinalNorm, GPT2Embeddings, LMHead, layer_type
+from fastpipe.hf.errors import UnsupportedModelError
+from fastpipe.hf.layers import DecoderBlock, Embeddings, FinalNorm, Layout, LMHead
+from fastpipe.hf.own_forward import has_state
+from fastpipe.hf.probe import check_layer_inputs
 from fastpipe.side_inputs import Sequential
 
 __all__ = ["UnsupportedModelError", "to_sequential"]
 
-_TESTED = "GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1-3"
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not one ``to_sequential`` can cut; the message names what is missing."""
+_TESTED = (
+    "GPT-2, GPT-NeoX, GPT-J, Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Phi-2, Phi-3, Gemma 1-3, OLMo 1-3, "
+    "Cohere, Granite, Starcoder2, GLM, Doge and Beam"
+)
+# The attention kinds of `config.layer_types` the adapter is tested with; linear, indexed and
+# compressed attention keep state the tests do not cover.
+_KINDS = ("full_attention", "sliding_attention")
+_GPT2 = ("wte", "wpe", "drop", "h", "ln_f")  # GPT-2's base model, in order: it has no plan
 
 
 def to_sequential(model: nn.Module) -> Sequential:
@@ -61,7 +75,9 @@ def to_sequential(model: nn.Module) -> Sequential:
             has a ``base_model_pp_plan`` and whose class has a ``_pp_plan`` for the head.
 
     Raises:
-        UnsupportedModelError: the model is neither, or its plan names modules it lacks.
+        UnsupportedModelError: the model is neither, its plan names modules it lacks, or
+            it passes state between its layers that the pipeline would not carry (the
+            message names it).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -70,31 +86,62 @@ def to_sequential(model: nn.Module) -> Sequential:
             "PreTrainedModel (a ...ForCausalLM)"
         )
     if getattr(config, "model_type", None) == "gpt2":
-        return _gpt2(model)
-    plan = getattr(config, "base_model_pp_plan", None)
-    if not plan:
-        raise UnsupportedModelError(
-            f"fastpipe.hf.to_sequential: {type(model).__name__} is not GPT-2 and its config "
-            f"({type(config).__name__}) has no base_model_pp_plan, which says how its base model divides into "
-            f"stages; the adapter knows GPT-2 and models with a plan (tested: {_TESTED}). Build a "
-            "fastpipe.Sequential of its layers by hand instead (see docs/hf.md)"
-        )
-    return _planned(model, config, dict(plan))
-
-
-def _refuse_unsupported(model: nn.Module, config: Any) -> None:
-    """Refuse configs whose base model does more between its modules than the plan says."""
-    for name in ("embedding_multiplier", "logits_scaling", "logit_scale", "lm_head_multiplier"):
-        if getattr(config, name, None) not in (None, 1, 1.0):
+        if getattr(config, "add_cross_attention", False):
             raise UnsupportedModelError(
-                f"fastpipe.hf.to_sequential: {type(model).__name__} scales its embeddings or logits outside its "
-                f"modules (config.{name}={getattr(config, name)!r}), which the pipeline plan does not cover"
+                "fastpipe.hf.to_sequential: this GPT-2 has cross-attention (add_cross_attention=True); the adapter "
+                "pipelines decoder-only models"
             )
+        plan, where, head_name = list(_GPT2), "GPT-2's layout (transformer.wte, wpe, drop, h, ln_f)", "lm_head"
+        _child(model, head_name, "GPT-2's layout (lm_head)", model)
+    else:
+        plan = list(getattr(config, "base_model_pp_plan", None) or ())
+        if not plan:
+            raise UnsupportedModelError(
+                f"fastpipe.hf.to_sequential: {type(model).__name__} is not GPT-2 and its config "
+                f"({type(config).__name__}) has no base_model_pp_plan, which says how its base model divides into "
+                f"stages; the adapter knows GPT-2 and models with a plan (tested: {_TESTED}). Build a "
+                "fastpipe.Sequential of its layers by hand instead (see docs/hf.md, section 'Building a "
+                "Sequential by hand')"
+            )
+        _base_name(model)  # a base model passed for the causal LM: say so before anything else
+        where, head_name = f"{type(config).__name__}.base_model_pp_plan", _head_name(model)
+    _refuse_config(model, config)
+    layout, before, after = _layout(model, config, plan, where, head_name)
+    base = layout.base
+    seq = Sequential(
+        Embeddings(layout, {name: getattr(base, name) for name in before}),
+        *(DecoderBlock(layout, i) for i in range(layout.blocks)),
+        FinalNorm(layout, {name: getattr(base, name) for name in after}),
+        LMHead(layout, getattr(model, head_name)),
+    )
+    check_layer_inputs(seq, type(model).__name__)
+    return seq
+
+
+def _refuse_config(model: nn.Module, config: Any) -> None:
+    """Refuse configs whose training the pipeline cannot reproduce."""
+    name = type(model).__name__
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
-            f"fastpipe.hf.to_sequential: {type(model).__name__} has use_bidirectional_attention=True; the adapter "
-            "builds causal masks only"
+            f"fastpipe.hf.to_sequential: {name} has use_bidirectional_attention=True: every token sees the one it "
+            "is trained to predict, so causal_lm_loss does not apply; pipeline it as a causal model "
+            "(use_bidirectional_attention=False)"
         )
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if getattr(config, "output_router_logits", False) and coef != 0:
+        raise UnsupportedModelError(
+            f"fastpipe.hf.to_sequential: {name} has output_router_logits=True, so its loss adds "
+            f"router_aux_loss_coef ({coef}) x a load-balancing loss. That loss multiplies the expert loads of the "
+            "whole mini-batch by its router probabilities, so no micro-batch knows its share until every forward "
+            "has run, and a pipeline's backward starts before that. Set config.output_router_logits=False (HF's "
+            "loss is then the plain cross-entropy that causal_lm_loss computes)"
+        )
+    for index, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind not in _KINDS:
+            raise UnsupportedModelError(
+                f"fastpipe.hf.to_sequential: {name}'s decoder layer {index} is of type {kind!r}; the adapter "
+                f"pipelines layers of types {', '.join(map(repr, _KINDS))} only (tested: {_TESTED})"
+            )
 
 
 def _child(parent: nn.Module, name: str, where: str, model: nn.Module) -> nn.Module:
@@ -108,8 +155,8 @@ def _child(parent: nn.Module, name: str, where: str, model: nn.Module) -> nn.Mod
     return module
 
 
-def _head(model: nn.Module) -> nn.Module:
-    """The LM head named by the class's ``_pp_plan``."""
+def _head_name(model: nn.Module) -> str:
+    """The LM head's attribute, as the class's ``_pp_plan`` names it."""
     plan = getattr(type(model), "_pp_plan", None) or getattr(model, "_pp_plan", None)
     if not plan:
         raise UnsupportedModelError(
@@ -122,10 +169,11 @@ def _head(model: nn.Module) -> nn.Module:
             f"fastpipe.hf.to_sequential: {type(model).__name__}._pp_plan names {names}; the adapter expects one "
             "head module (a causal LM's lm_head)"
         )
-    return _child(model, names[0], f"{type(model).__name__}._pp_plan", model)
+    _child(model, names[0], f"{type(model).__name__}._pp_plan", model)
+    return str(names[0])
 
 
-def _base(model: nn.Module) -> nn.Module:
+def _base_name(model: nn.Module) -> str:
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or base is model:
@@ -133,64 +181,40 @@ def _base(model: nn.Module) -> nn.Module:
             f"fastpipe.hf.to_sequential: {type(model).__name__} has no base model under "
             f"base_model_prefix={prefix!r}; pass the causal LM (the ...ForCausalLM class)"
         )
-    return base
+    return str(prefix)
 
 
-def _planned(model: nn.Module, config: Any, plan: dict[str, Any]) -> Sequential:
-    _refuse_unsupported(model, config)
-    base = _base(model)
-    where = f"{type(config).__name__}.base_model_pp_plan"
-    modules = {name: _child(base, name, where, model) for name in plan}
+def _layout(
+    model: nn.Module, config: Any, names: list[str], where: str, head_name: str
+) -> tuple[Layout, list[str], list[str]]:
+    """The model's :class:`Layout`, with the plan's modules before and after the decoder layers."""
+    base_name = _base_name(model)
+    base = getattr(model, base_name)
+    modules = {name: _child(base, name, where, model) for name in names}
     stacks = [name for name, module in modules.items() if isinstance(module, nn.ModuleList)]
     if len(stacks) != 1:
         raise UnsupportedModelError(
             f"fastpipe.hf.to_sequential: {where} should name one nn.ModuleList of decoder layers, found "
-            f"{stacks or 'none'} among {list(plan)}"
+            f"{stacks or 'none'} among {names}"
         )
-    names = list(plan)
     cut = names.index(stacks[0])
-    before, after = names[:cut], names[cut + 1 :]
-    if not before:
+    if cut == 0:
         raise UnsupportedModelError(
             f"fastpipe.hf.to_sequential: {where} has no module before {stacks[0]!r} to embed the input ids"
         )
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None and any(True for _ in rotary.parameters()):
-        raise UnsupportedModelError(
-            f"fastpipe.hf.to_sequential: {type(base).__name__}.rotary_emb has parameters; the adapter shares it "
-            "between the blocks as a module of constant buffers only"
-        )
     stack = modules[stacks[0]]
     assert isinstance(stack, nn.ModuleList)
-    layers = list(stack)[: getattr(config, "num_hidden_layers", None)]
-    blocks = [DecoderBlock(layer, config, layer_type(config, i), rotary) for i, layer in enumerate(layers)]
-    return Sequential(
-        Embeddings([modules[n] for n in before], before),
-        *blocks,
-        FinalNorm([modules[n] for n in after], after),
-        LMHead(_head(model), getattr(config, "final_logit_softcapping", None)),
-    )
-
-
-def _gpt2(model: nn.Module) -> Sequential:
-    where = "GPT-2's layout (transformer.wte, wpe, drop, h, ln_f; lm_head)"
-    base = _child(model, "transformer", where, model)
-    wte, wpe, drop, h, ln_f = (_child(base, name, where, model) for name in ("wte", "wpe", "drop", "h", "ln_f"))
-    config: Any = model.config
-    if getattr(config, "add_cross_attention", False):
+    blocks = min(len(stack), getattr(config, "num_hidden_layers", None) or len(stack))
+    if blocks == 0:
+        raise UnsupportedModelError(f"fastpipe.hf.to_sequential: {type(model).__name__} has no decoder layers")
+    outside = [(name, child) for name, child in base.named_children() if name not in modules]
+    weighted = [name for name, child in outside if any(True for _ in child.parameters())]
+    if weighted:
         raise UnsupportedModelError(
-            "fastpipe.hf.to_sequential: this GPT-2 has cross-attention (add_cross_attention=True); the adapter "
-            "pipelines decoder-only models"
+            f"fastpipe.hf.to_sequential: {type(base).__name__} has modules with parameters that {where} does not "
+            f"place: {', '.join(weighted)}. Its forward feeds their results to the decoder layers beside the hidden "
+            "states (per-layer inputs, extra residual streams), which a pipeline stage does not receive"
         )
-    if not isinstance(h, nn.ModuleList):
-        raise UnsupportedModelError(
-            f"fastpipe.hf.to_sequential: GPT-2's transformer.h is a {type(h).__name__}, "
-            "not the nn.ModuleList of its blocks"
-        )
-    blocks = [DecoderBlock(block, config, "full_attention") for block in h]
-    return Sequential(
-        GPT2Embeddings(wte, wpe, drop),
-        *blocks,
-        FinalNorm([ln_f], ["ln_f"]),
-        LMHead(_child(model, "lm_head", where, model)),
-    )
+    helpers = tuple(name for name, child in outside if has_state(child))
+    layout = Layout(model, base_name, stacks[0], tuple(stack), blocks, head_name, helpers)
+    return layout, names[:cut], names[cut + 1 :]

@@ -1,173 +1,246 @@
-"""The pipeline layers of a HuggingFace causal LM: thin wrappers around the model's own modules.
+"""The pipeline layers of a HuggingFace causal LM: the model's own modules, run by the model's own forward.
 
-Each wrapper holds the HF modules themselves (never a copy), so training the pipeline trains
-the HF model. What the HF base model computes once per forward between its modules (the
-4-D causal mask, the rotary ``(cos, sin)``, the default position ids) each decoder block
-computes for itself from the side inputs, with transformers' own functions::
+Each layer holds the HF modules themselves (never a copy), so training the pipeline trains
+the HF model. What the HF model computes between its modules (embedding scales, the attention
+masks, the rotary ``(cos, sin)``, the logits' scale or soft cap) each layer gets by running
+the model's own ``forward`` up to the point it needs (:mod:`fastpipe.hf.own_forward`)::
 
     ids ─▶ Embeddings ─▶ DecoderBlock × n ─▶ FinalNorm ─▶ LMHead ─▶ logits
+           base.forward   base.forward up     base.forward  lm.forward with
+           up to layer 0  to layer i: its     after layer   the base model
+           (its input)    inputs, then the    n-1 (its      answering with
+                          layer itself        output)       the hidden states
                           ▲ attention_mask [B, T] (1 = keep), position_ids [B|1, T]
-                          │ (side inputs: split with the micro-batch, or broadcast)
-                          └─ mask = create_causal_mask(config, hidden, attention_mask, ...)
-                             position_embeddings = rotary_emb(hidden, position_ids)
+                          └ side inputs: split with the micro-batch, or broadcast
 
-Building the mask from the 2-D padding mask in every block keeps the pipeline's side inputs
-small ([B, T] instead of [B, 1, T, T]) and keeps the mask causal under every attention
-implementation: eager attention applies only the mask it is given, so a block that got no
-mask would attend to the future without a word.
+So every block gets the mask its model builds, with that model's options, under every
+attention implementation, and the side inputs stay small ([B, T] instead of [B, 1, T, T]).
+Each layer has its own copy of the base model's stateful helpers that hold no parameters
+(the rotary embedding): a "dynamic" or "longrope" rotary rewrites its ``inv_freq`` on each
+call, and a copy per layer keeps those writes inside one stage.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-__all__ = ["SIDE_INPUTS", "Chain", "Embeddings", "GPT2Embeddings", "DecoderBlock", "FinalNorm", "LMHead", "layer_type"]
+from fastpipe.hf.own_forward import Absent, LastHidden, Reached, StandIn, Stub, has_state, hidden_of, own_forward
+
+__all__ = ["SIDE_INPUTS", "Layout", "ModelPart", "Embeddings", "DecoderBlock", "FinalNorm", "LMHead"]
 
 # The side inputs a HF decoder takes from the caller, as the HF model's forward names them.
 SIDE_INPUTS = ("attention_mask", "position_ids")
 
-_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+Calls = list[tuple[int, tuple[Any, ...], dict[str, Any]]]
 
 
-def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
-    """The caller's position ids, or HF's default ``arange(T)[None]`` (no cache: nothing seen before)."""
-    if position_ids is not None:
-        return position_ids
-    return torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
+@dataclass(frozen=True)
+class Layout:
+    """Where a causal LM keeps its parts.
 
-
-def layer_type(config: Any, index: int) -> str:
-    """The attention kind of decoder layer ``index``: ``"full_attention"`` or ``"sliding_attention"``.
-
-    ``config.layer_types`` when the config lists them (Qwen2, Gemma2/3, ...); else a sliding
-    window for every layer when ``config.sliding_window`` is set (Mistral, Phi-3), as those
-    base models choose their mask.
-
-    Raises:
-        ValueError: a layer type whose mask this adapter does not build.
+    Attributes:
+        model: the causal LM (``...ForCausalLM``).
+        base_name: the attribute of ``model`` that holds the base model.
+        stack_name: the attribute of the base model that holds the decoder layers.
+        stack: all the decoder layers, in order.
+        blocks: how many of them the base model runs (``config.num_hidden_layers``).
+        head_name: the attribute of ``model`` that holds the LM head.
+        helpers: the base model's children outside the plan that hold buffers but no parameters.
     """
-    types = getattr(config, "layer_types", None)
-    if types:
-        kind = str(types[index])
-    else:
-        kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-    if kind not in _MASKS:
-        raise ValueError(
-            f"fastpipe.hf: decoder layer {index} is of type {kind!r}; the adapter builds masks for "
-            f"{', '.join(map(repr, _MASKS))} only"
-        )
-    return kind
+
+    model: nn.Module
+    base_name: str
+    stack_name: str
+    stack: tuple[nn.Module, ...]
+    blocks: int
+    head_name: str
+    helpers: tuple[str, ...]
+
+    @property
+    def base(self) -> nn.Module:
+        """The base model."""
+        base = getattr(self.model, self.base_name)
+        assert isinstance(base, nn.Module)
+        return base
 
 
-class Chain(nn.Module):
-    """HF modules applied in order, under their names in the HF base model.
+class ModelPart(nn.Module):
+    """A pipeline layer that runs a piece of the base model's forward on a :class:`StandIn`.
 
     Args:
-        modules: the HF modules.
-        names: their names in the HF base model, kept as the submodule names.
+        layout: the model's layout.
+        owned: base-model children this layer holds, by their names in the base model.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str]) -> None:
+    def __init__(self, layout: Layout, owned: Mapping[str, nn.Module]) -> None:
         super().__init__()
-        self.names = tuple(names)
-        for name, module in zip(self.names, modules):
+        self._layout = layout
+        base = layout.base
+        config = getattr(base, "config", None)
+        for name, module in owned.items():
             self.add_module(name, module)
+        for name in layout.helpers:  # a copy per layer; the config stays shared (it is read, not written)
+            self.add_module(name, copy.deepcopy(getattr(base, name), memo={id(config): config}))
+        self._owns = (*owned, *layout.helpers)
+        stack = layout.stack_name
+        self._foreign = tuple(
+            n for n, c in base.named_children() if n not in self._owns and n != stack and has_state(c)
+        )
+        self._shapes: dict[Any, Any] = {}  # the output shapes of the foreign modules, per input signature
 
-    def forward(self, x: Tensor) -> Tensor:
-        for name in self.names:
-            x = self._modules[name](x)  # type: ignore[misc]
-        return x
+    def _stand_in(self, stubs: list[Stub], training: bool, absent: bool) -> StandIn:
+        layout = self._layout
+        replaced: dict[str, Any] = {"training": training, layout.stack_name: stubs}
+        base = layout.base
+        for name in self._owns:
+            replaced[name] = getattr(self, name)  # this layer's (a stage's clone reads its own copies)
+        if absent:
+            replaced.update((name, Absent(getattr(base, name), self._shapes)) for name in self._foreign)
+        return StandIn(base, replaced)
+
+    def _base_forward(
+        self,
+        stubs: list[Stub],
+        inputs: dict[str, Any],
+        training: bool | None = None,
+        absent: bool = True,
+    ) -> Any:
+        stand_in = self._stand_in(stubs, self.training if training is None else training, absent)
+        return own_forward(self._layout.base)(stand_in, use_cache=False, **inputs)
+
+    def _stubs(
+        self, target: int | None, last: tuple[int, Tensor] | None = None, seen: Calls | None = None
+    ) -> list[Stub]:
+        return [Stub(layer, j, target, last, seen) for j, layer in enumerate(self._layout.stack)]
+
+    def inputs_of_layer(
+        self,
+        index: int,
+        given: dict[str, Any],
+        *,
+        training: bool | None = None,
+        absent: bool = True,
+        seen: Calls | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments the base model's forward hands decoder layer ``index``, for the inputs ``given``.
+
+        Args:
+            index: the decoder layer.
+            given: keyword inputs of the base model's forward (``input_ids`` or
+                ``inputs_embeds``, ``attention_mask``, ``position_ids``).
+            training: the mode the forward runs in (None: this layer's).
+            absent: whether modules this layer does not own answer with zeros (see
+                :class:`~fastpipe.hf.own_forward.Absent`); False runs the real ones.
+            seen: where every layer call up to ``index`` is recorded.
+
+        Raises:
+            RuntimeError: the forward returned without calling layer ``index``.
+        """
+        try:
+            self._base_forward(self._stubs(index, seen=seen), given, training, absent)
+        except Reached as reached:
+            return reached.positional, reached.keywords
+        raise RuntimeError(
+            f"fastpipe.hf: {type(self._layout.base).__name__}.forward returned without calling decoder layer {index}"
+        )
 
 
-class Embeddings(Chain):
-    """The modules before the decoder layers (token embedding, embedding dropout): ids ``[B, T]`` to ``[B, T, D]``."""
+class Embeddings(ModelPart):
+    """The base model's forward up to its first decoder layer: ids ``[B, T]`` to that layer's hidden states.
 
-
-class GPT2Embeddings(nn.Module):
-    """GPT-2's ``drop(wte(ids) + wpe(position_ids))``; takes the side input ``position_ids``."""
-
-    fastpipe_side_inputs = ("position_ids",)
-
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte = wte
-        self.wpe = wpe
-        self.drop = drop
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        embeds = self.wte(input_ids)
-        positions = self.wpe(_positions(embeds, position_ids))
-        return self.drop(embeds + positions.to(embeds.device))
-
-
-class DecoderBlock(nn.Module):
-    """One HF decoder layer, with the mask and the rotary embedding its base model would hand it.
-
-    Args:
-        layer: the HF decoder layer (``LlamaDecoderLayer``, ``GPT2Block``, ...).
-        config: the model's config (read at each call: ``_attn_implementation`` may change).
-        kind: ``"full_attention"`` or ``"sliding_attention"`` (see :func:`layer_type`).
-        rotary: the base model's rotary embedding, shared by every block (constant buffers
-            only), or None for a model without one.
+    It owns the modules before the decoder layers (token embedding, position embedding,
+    dropout) and applies what the forward does with them (GPT-2's sum, Granite's multiplier).
     """
 
     fastpipe_side_inputs = SIDE_INPUTS
 
-    def __init__(self, layer: nn.Module, config: Any, kind: str, rotary: nn.Module | None = None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.config = config
-        self.kind = kind
-        self.rotary = rotary
-        # Gemma 3 keeps one rotary table per layer type: its forward takes the type.
-        self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Any:
+        args, kwargs = self.inputs_of_layer(
+            0, {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        )
+        return hidden_of(args, kwargs)
+
+
+class DecoderBlock(ModelPart):
+    """HF decoder layer ``index``, called with the arguments its base model's forward would give it.
+
+    Args:
+        layout: the model's layout.
+        index: the layer's position in the stack.
+    """
+
+    fastpipe_side_inputs = SIDE_INPUTS
+
+    def __init__(self, layout: Layout, index: int) -> None:
+        super().__init__(layout, {})
+        self.index = index
+        self.layer = layout.stack[index]
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
-        positions = _positions(hidden_states, position_ids)
-        # The mask the base model builds once; a 2-D padding mask (or None) becomes the 4-D
-        # causal mask of this attention implementation (None under SDPA without padding).
-        mask = _MASKS[self.kind](
-            config=self.config,
-            inputs_embeds=hidden_states,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=positions,
-        )
-        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": positions}
-        if self.rotary is not None:
-            extra = (self.kind,) if self._rotary_by_type else ()
-            kwargs["position_embeddings"] = self.rotary(hidden_states, positions, *extra)
-        out = self.layer(hidden_states, **kwargs)
+        given = {"inputs_embeds": hidden_states, "attention_mask": attention_mask, "position_ids": position_ids}
+        args, kwargs = self.inputs_of_layer(self.index, given)
+        if args:
+            out = self.layer(hidden_states, *args[1:], **kwargs)
+        else:
+            out = self.layer(**{**kwargs, "hidden_states": hidden_states})
         return out[0] if isinstance(out, tuple) else out
 
 
-class FinalNorm(Chain):
-    """The modules after the decoder layers (the final norm)."""
+class FinalNorm(ModelPart):
+    """The base model's forward after its last decoder layer (the final norm): hidden states in, hidden states out."""
+
+    def forward(self, hidden_states: Tensor) -> Any:
+        return self.after_layers(hidden_states, {"inputs_embeds": hidden_states})
+
+    def after_layers(
+        self, hidden: Tensor, given: dict[str, Any], *, training: bool | None = None, absent: bool = True
+    ) -> Any:
+        """The base model's output when its last decoder layer returns ``hidden``, for the inputs ``given``.
+
+        Args:
+            hidden: what the last decoder layer returns.
+            given: keyword inputs of the base model's forward (see :meth:`ModelPart.inputs_of_layer`).
+            training: the mode the forward runs in (None: this layer's).
+            absent: whether modules this layer does not own answer with zeros.
+        """
+        stubs = self._stubs(None, last=(self._layout.blocks - 1, hidden))
+        out = self._base_forward(stubs, given, training, absent)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 class LMHead(nn.Module):
-    """The output projection to logits, with Gemma-style ``final_logit_softcapping`` when the config sets it.
+    """The causal LM's forward after its base model: the LM head and whatever the model does to the logits.
+
+    That covers Gemma's ``final_logit_softcapping``, Cohere's ``logit_scale`` and Granite's
+    ``logits_scaling``, as each model's own forward applies them.
 
     Args:
-        head: the HF ``lm_head`` (its weight may be the token embedding's: a tied weight).
-        softcap: ``config.final_logit_softcapping`` (None: none).
+        layout: the model's layout.
+        head: the HF head (its weight may be the token embedding's: a tied weight).
     """
 
-    def __init__(self, head: nn.Module, softcap: float | None = None) -> None:
+    def __init__(self, layout: Layout, head: nn.Module) -> None:
         super().__init__()
+        self._layout = layout
         self.head = head
-        self.softcap = softcap
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        logits = self.head(hidden_states)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        layout = self._layout
+        replaced = {
+            "training": self.training,
+            layout.head_name: self.head,
+            layout.base_name: lambda *args, **kwargs: LastHidden(hidden_states),
+        }
+        out = own_forward(layout.model)(StandIn(layout.model, replaced), inputs_embeds=hidden_states)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        assert isinstance(logits, Tensor)
         return logits

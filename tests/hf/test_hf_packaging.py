@@ -1,12 +1,15 @@
-"""transformers is an optional extra, ``fastpipe[hf]``, that the test extra brings so CI runs tests/hf."""
+"""transformers is an optional extra, ``.[hf]``, that the test extra brings so CI runs tests/hf."""
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_file())
 
@@ -31,3 +34,12 @@ def test_transformers_is_the_hf_extra_and_part_of_the_test_extra() -> None:
     assert not [r for r in requires if r.startswith("transformers")]  # plain installs stay without it
     # transformers imports torchvision when present, and the CPU hosts get only CUDA wheels of it.
     assert not [r for group in (requires, *extras.values()) for r in group if r.startswith("torchvision")]
+
+
+def test_the_install_hint_names_the_checkout_not_the_unrelated_fastpipe_on_the_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fastpipe`` on the public index is another project, without an ``hf`` extra."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r'pip install "\.\[hf\]" in your fastpipe checkout'):
+        runpy.run_path(str(REPO / "fastpipe" / "hf" / "__init__.py"))

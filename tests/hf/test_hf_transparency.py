@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from _hf_models import PLAN_FAMILIES, batch, grads_by_name, reference_step, tiny  # noqa: E402
+from _hf_models import batch, family_params, grads_by_name, reference_step, tiny  # noqa: E402
 from fp_tolerance import assert_close_reordered  # noqa: E402
 
 import fastpipe  # noqa: E402
@@ -45,8 +45,7 @@ def test_logits_loss_and_gradients_equal_the_hf_model(family: str, attn: str, ti
         assert_close_reordered(grads[name], grad, k=256, msg=name)
 
 
-@pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("family", "attn"), family_params())
 def test_every_planned_family_gives_its_logits(family: str, attn: str) -> None:
     """One adapter for every model with a base_model_pp_plan: sliding windows, per-type rotary, scaled embeddings."""
     model = tiny(family, attn=attn)
