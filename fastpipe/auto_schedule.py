@@ -30,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
+from fastpipe.balance._untouched import state_kept
 from fastpipe.balance.profile import Timer, profile_layers
 from fastpipe.batchnorm import DeferredBatchNorm, accumulating_into
 from fastpipe.microbatch import Value
@@ -121,9 +121,8 @@ class AutoSchedule:
         with accumulating_into(slot):
             try:
                 profile = profile_layers(model, microbatch, repeats=self.repeats, side_inputs=whole, timer=self.timer)
-                if has_skips(model):  # dropout in the skips' forward must not move the step's generators
-                    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-                    with torch.random.fork_rng(devices=cuda):
+                if has_skips(model):  # the skips' forward must not move the step's generators or statistics
+                    with state_kept(model, None):
                         spans = measure_skips(model, microbatch, **whole)
             finally:
                 for layer in layers:

@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from fastpipe.balance._untouched import state_kept
 from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import MEASURED_TOLERANCE, LayerProfile, Timer, profile_layers
 from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of
@@ -103,7 +104,9 @@ def auto_balance(
         memory = _layer_memory(profile, schedule, workers, chunks, virtual_stages, param_scale)
         if has_skips(module):  # a skip is held by its stash's and its pop's stage, per micro-batch in flight
             in_flight = _in_flight(schedule, workers, chunks, virtual_stages)
-            for span in measure_skips(module, micro, **micro_side):
+            with state_kept(module, None):  # its training-mode forward must leave no trace either
+                spans = measure_skips(module, micro, **micro_side)
+            for span in spans:
                 for layer in {span.producer, span.consumer}:
                     memory[layer] += span.nbytes * in_flight
     return plan(

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - Windows
 import torch
 from torch import nn
 
+from fastpipe.balance._untouched import grads_set_aside, state_kept, visiting
 from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of, to_device
 from fastpipe.partition import layers_of
 from fastpipe.side_inputs import call_layer, check_side_inputs, declared, side_inputs_on, split_side_inputs
@@ -126,7 +127,7 @@ def profile_layers(
         x = to_device(x, target)
     clock = _Clock(time.perf_counter, _involuntary_switches) if timer is None else _Clock(timer, lambda: 0)
     layers = [layer for _, layer in layers_of(module)]  # every entry: children() would skip a layer used twice
-    with _grads_set_aside(module), _state_kept(module, target):
+    with grads_set_aside(module), state_kept(module, target):
         start = _Input(x, [t.is_floating_point() for t in tensors_of(x)])
         inputs, acts, first = _first_pass(layers, start, side, target, clock)
         fastest = [_Fastest() for _ in layers]
@@ -261,26 +262,8 @@ def _measure(
     saved: dict[int, int] | None = None,
 ) -> _Run:
     """One run of ``layer`` on ``x``, on ``target`` if given (see :func:`_run_once`)."""
-    with _visiting(layer, target):
+    with visiting(layer, target):
         return _run_once(layer, x, side, clock, saved)
-
-
-@contextlib.contextmanager
-def _grads_set_aside(module: nn.Module) -> Iterator[None]:
-    """Parameters' ``.grad`` are ``None`` during the block and the caller's own after it.
-
-    Backward accumulates into an existing ``.grad`` in place, so the profile's gradients must not
-    meet the caller's.
-    """
-    params = list(module.parameters())
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
 
 
 class _Popping(nn.Module):
@@ -296,47 +279,6 @@ class _Popping(nn.Module):
         device = tensors_of(x)[0].device
         received = {n: t.detach().to(device).requires_grad_(t.is_floating_point()) for n, t in self.skips.items()}
         return call_layer(self.layer, x, side, SkipStore(received))
-
-
-@contextlib.contextmanager
-def _state_kept(module: nn.Module, target: torch.device | None) -> Iterator[None]:
-    """Buffers and torch's random generators as they were before the block.
-
-    Profiling runs the layers in training mode, which moves BatchNorm's running statistics and
-    advances the generators dropout draws from; neither may differ from a run without it.
-    """
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    places = {t.device for t in [*module.parameters(), *module.buffers()]} | ({target} if target else set())
-    cuda = sorted({d.index or 0 for d in places if d.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-
-
-@contextlib.contextmanager
-def _visiting(layer: nn.Module, target: torch.device | None) -> Iterator[None]:
-    """Move ``layer`` to ``target`` for the block and back after it (gradients of the visit are dropped)."""
-    param_list = list(layer.parameters())
-    home = next(iter([*param_list, *layer.buffers()]), None)
-    if target is None or home is None or home.device == target:
-        yield
-        return
-    grads = [p.grad for p in param_list]
-    for p in param_list:
-        p.grad = None
-    layer.to(target)
-    try:
-        yield
-    finally:
-        for p in param_list:
-            p.grad = None
-        layer.to(home.device)
-        for p, g in zip(param_list, grads):
-            p.grad = g
 
 
 def _fresh(x: _Input) -> Value:
