@@ -3,19 +3,32 @@
 A pipeline value is either one tensor or a tuple whose tensor items carry a batch
 dimension (dim 0) and whose other items (ints, strings, ``None``...) ride along to every
 micro-batch unchanged. This mirrors what ``nn.Sequential`` accepts: the whole value is
-passed as the single positional argument of the first layer.
+passed as the single positional argument of the first layer. A namedtuple stays one: each
+micro-batch of it, and each copy on another device, is of the caller's class, so a layer
+or a loss reads its fields by name.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["Value", "check_value", "scatter", "gather", "tensors_of", "replace_tensors", "to_device", "batch_size"]
+__all__ = [
+    "Value",
+    "check_value",
+    "scatter",
+    "gather",
+    "tensors_of",
+    "replace_tensors",
+    "to_device",
+    "batch_size",
+    "is_namedtuple",
+    "rebuilt",
+]
 
 Value = Tensor | tuple
 
@@ -64,7 +77,23 @@ def replace_tensors(value: Value, tensors: Sequence[Tensor]) -> Value:
         (only,) = tensors
         return only
     it = iter(tensors)
-    return tuple(next(it) if isinstance(v, Tensor) else v for v in value)
+    return rebuilt(value, [next(it) if isinstance(v, Tensor) else v for v in value])
+
+
+def rebuilt(like: tuple, items: Iterable[Any]) -> tuple:
+    """``items`` as a tuple of ``like``'s type: a namedtuple of the same class, else a plain tuple.
+
+    ``tuple(items)`` would turn a namedtuple into a plain tuple, and a loss that reads
+    ``target.mask`` would then fail only inside the pipeline.
+    """
+    if is_namedtuple(like):
+        return cast(tuple, type(like)._make(items))  # type: ignore[attr-defined]
+    return tuple(items)
+
+
+def is_namedtuple(value: object) -> bool:
+    """Whether ``value`` is an instance of a ``collections.namedtuple`` or ``typing.NamedTuple`` class."""
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -72,7 +101,7 @@ def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, Tensor):
         return value.to(device)
     if isinstance(value, tuple):
-        return tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
+        return rebuilt(value, [v.to(device) if isinstance(v, Tensor) else v for v in value])
     return value
 
 

@@ -139,7 +139,8 @@ def split_targets(target: Any, chunks: int, sizes: Sequence[int] | None) -> list
     """``target`` split into micro-batches like the input (``None``: one ``None`` each).
 
     Args:
-        target: a tensor, a tuple holding tensors, or None.
+        target: a tensor, a tuple holding tensors (a namedtuple's micro-batches are of its
+            class), or None.
         chunks: micro-batches per mini-batch.
         sizes: the input's micro-batch sizes to match; None to take the target's own.
 
@@ -214,12 +215,21 @@ class TokenLoss:
 def token_loss(summed: Callable[[Any, Any], Tensor], normaliser: Callable[[Any], float | Tensor]) -> TokenLoss:
     """A loss ``summed(output, target) / normaliser(target)`` that pipelines exactly.
 
-    Example, a masked mean over tokens::
+    Example, a masked mean whose target is a namedtuple (each micro-batch's is one too)::
 
+        Target = collections.namedtuple("Target", "value mask")
         loss_fn = fastpipe.token_loss(
             lambda out, y: (F.mse_loss(out, y.value, reduction="none") * y.mask).sum(),
             lambda y: y.mask.sum(),
         )
+        loss = pipe.train_step(x, Target(value, mask), loss_fn)
+
+    Args:
+        summed: the loss of a batch summed over what counts.
+        normaliser: what the loss's mean over a batch's target divides by.
+
+    Returns:
+        A :class:`TokenLoss`, whose call is the mean.
     """
     return TokenLoss(summed, normaliser)
 

@@ -32,13 +32,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.errors import PipelineError
-from fastpipe.microbatch import Value, tensors_of
+from fastpipe.microbatch import Value, rebuilt, tensors_of
 from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.watchdog import SendReaper, Watchdog
 from fastpipe.runtime.wire import (
     ACT,
     GRAD,
     HEADER,
+    assemble,
     describe,
     kinds,
     pack,
@@ -47,6 +48,7 @@ from fastpipe.runtime.wire import (
     skip_kind,
     tensors_from,
     unpack,
+    value_kind,
 )
 from fastpipe.schedule import Action
 from fastpipe.skips import StageSkips
@@ -282,7 +284,7 @@ class P2PTransport(Transport):
             self._local[key] = _map_tensors(value, lambda t: t.detach().requires_grad_(next(flags)))
             return
         items = [value] if isinstance(value, Tensor) else list(value)
-        meta: list[Any] = [isinstance(value, Tensor), False]
+        meta: list[Any] = [value_kind(value), False]
         for v in items:
             meta.append(("t", tuple(v.shape), str(v.dtype), bool(next(flags))) if isinstance(v, Tensor) else ("v", v))
         self._send(*key, meta, tensors_of(value))
@@ -345,7 +347,7 @@ class P2PTransport(Transport):
             return local
         meta, tensors = self._receive(*key)
         items = [tensors[i].requires_grad_(item[3]) if item[0] == "t" else item[1] for i, item in enumerate(meta[2:])]
-        return items[0] if meta[0] else tuple(items)
+        return assemble(meta[0], items)
 
     def recv_grad(self, stage: int, microbatch: int) -> list[Tensor | None]:
         return self._recv_grads((GRAD, stage, microbatch))
@@ -367,4 +369,4 @@ class P2PTransport(Transport):
 def _map_tensors(value: Value, fn: Callable[[Tensor], Tensor]) -> Value:
     if isinstance(value, Tensor):
         return fn(value)
-    return tuple(fn(v) if isinstance(v, Tensor) else v for v in value)
+    return rebuilt(value, [fn(v) if isinstance(v, Tensor) else v for v in value])

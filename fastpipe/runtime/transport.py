@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastpipe.microbatch import Value, replace_tensors, tensors_of
+from fastpipe.microbatch import Value, rebuilt, replace_tensors, tensors_of
 from fastpipe.runtime.mailbox import Mailbox
 
 __all__ = ["Transport", "LocalTransport", "receive"]
@@ -146,7 +146,7 @@ def _send(t: Tensor, requires_grad: bool, device: torch.device, force_copy: bool
 def receive(value: Any) -> Any:
     """Finish the transfers inside ``value``; the consumer's stream waits for each copy."""
     if isinstance(value, tuple):
-        return tuple(receive(v) for v in value)
+        return rebuilt(value, [receive(v) for v in value])
     if isinstance(value, list):
         return [receive(v) for v in value]
     if isinstance(value, _Pending):

@@ -1,8 +1,9 @@
 """The wire format of values crossing ranks: a fixed-size header, then raw payload bytes.
 
-The header (pickled, :data:`HEADER` bytes) says what the value is: a lone tensor or a
-tuple, then per item its shape, dtype and ``requires_grad`` flag, or a non-tensor item
-itself. The tensor items travel as flat byte buffers of the sizes :func:`payload_sizes`
+The header (pickled, :data:`HEADER` bytes) says what the value is: a lone tensor, a tuple,
+or a namedtuple (its class, pickled by reference: every rank runs the same code and finds it
+by module and name), then per item its shape, dtype and ``requires_grad`` flag, or a
+non-tensor item itself. The tensor items travel as flat byte buffers of the sizes :func:`payload_sizes`
 gives and come back as views of those buffers (:func:`tensors_from`). Keys name values:
 ``(kind, stage, micro-batch)``: ``ACT`` or ``GRAD`` into ``stage``, or a skip's tensors
 (:mod:`fastpipe.skips`) into ``stage`` from their producer (:func:`skip_kind`) and their
@@ -12,15 +13,19 @@ gradients into ``stage`` from their consumer (:func:`skip_grad_kind`).
 from __future__ import annotations
 
 import pickle
-from typing import Any
+import sys
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+from fastpipe.microbatch import Value, is_namedtuple
 
 __all__ = [
     "ACT",
     "GRAD",
     "HEADER",
+    "assemble",
     "describe",
     "kinds",
     "payload_sizes",
@@ -29,6 +34,7 @@ __all__ = [
     "skip_kind",
     "tensors_from",
     "unpack",
+    "value_kind",
 ]
 
 HEADER = 512  # bytes of the fixed-size header (pickled shapes, dtypes, flags, non-tensor items)
@@ -58,6 +64,40 @@ def _dtype(name: str) -> torch.dtype:
 
 def _nbytes(item: Any) -> int:
     return int(torch.Size(item[1]).numel()) * _dtype(item[2]).itemsize
+
+
+def value_kind(value: Value) -> bool | type:
+    """The header's first field for ``value``: True for a lone tensor, False for a plain tuple,
+    else the namedtuple's class, so that the receiver rebuilds the same type (:func:`assemble`).
+
+    Raises:
+        TypeError: the namedtuple's class is not where its module and name say (made inside a
+            function), so no other rank can find it.
+    """
+    if isinstance(value, Tensor):
+        return True
+    if not is_namedtuple(value):
+        return False
+    cls = type(value)
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is not cls:
+        raise TypeError(
+            f"fastpipe: a stage output is a namedtuple of class {cls.__qualname__!r}, which the next rank cannot "
+            f"find by its name in module {cls.__module__!r} (a class made inside a function); define the class "
+            "at module level"
+        )
+    return cls
+
+
+def assemble(kind: bool | type, items: list[Any]) -> Value:
+    """The received value of header kind ``kind`` (:func:`value_kind`) from its ``items``."""
+    if kind is True:
+        return cast(Tensor, items[0])
+    if kind is False:
+        return tuple(items)
+    return cast(tuple, kind._make(items))  # type: ignore[attr-defined]
 
 
 def pack(meta: list[Any]) -> Tensor:

@@ -73,7 +73,10 @@ def check_model(name: str) -> str | None:
     try:
         import fastpipe.hf  # noqa: F401 - transformers and the adapter
     except ImportError:
-        return f'--model {name} needs transformers: pip install "fastpipe[hf]"'
+        return (
+            f'--model {name} needs transformers: run pip install ".[hf]" in your fastpipe checkout (the package '
+            "named fastpipe on the public index is another project)"
+        )
     return None
 
 
