@@ -19,7 +19,7 @@ _source_tree.install(Path(__file__).parent, __version__)
 from fastpipe.auto_schedule import AutoSchedule
 from fastpipe.batchnorm import DeferredBatchNorm
 from fastpipe.checkpoints import resume_or_start, save_checkpoint
-from fastpipe.commit import CheckpointCorruptError, latest
+from fastpipe.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError, latest
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
@@ -40,7 +40,9 @@ __all__ = [
     "save_checkpoint",
     "resume_or_start",
     "latest",
+    "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointKeyError",
     "Sequential",
     "takes",
     "broadcast",

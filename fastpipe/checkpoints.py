@@ -78,6 +78,7 @@ def resume_or_start(
     *,
     state: dict[str, Any] | None = None,
     restore_rng: bool = True,
+    strict: bool = True,
     timeout: float = dcp.DEFAULT_TIMEOUT,
 ) -> dict[str, Any]:
     """Load the newest complete, intact checkpoint under ``root``; or start fresh.
@@ -85,7 +86,13 @@ def resume_or_start(
     Returns ``{"step", "state", "settings", "folder"}``: the saved step and caller's state,
     or ``0``, ``state`` (default ``{}``) and None when ``root`` holds no usable checkpoint.
     A checkpoint whose files fail their sizes or checksums is skipped with a warning that
-    names the file, and the previous complete one is loaded instead.
+    names the file, and the previous complete one is loaded instead. ``strict`` (see
+    :func:`fastpipe.dcp.load`): a checkpoint of another model raises instead of loading
+    the keys both hold.
+
+    Raises:
+        CheckpointKeyError: with ``strict``, the newest intact checkpoint's keys are not the model's.
+        CheckpointError: DCP could not read it (a tensor of another shape, say).
     """
     group = dcp.checkpoint_group(module, None, timeout)
     dcp.wait_pending(group)  # its collectives would interleave with the listing's broadcast
@@ -96,7 +103,7 @@ def resume_or_start(
         folders = box[0]
     for folder in folders:
         try:
-            record = dcp.load(folder, module, optimizer, restore_rng=restore_rng, timeout=timeout)
+            record = dcp.load(folder, module, optimizer, restore_rng=restore_rng, strict=strict, timeout=timeout)
         except CheckpointCorruptError as exc:
             warnings.warn(f"{exc}; resuming from the previous complete checkpoint instead", stacklevel=2)
             continue

@@ -15,28 +15,39 @@ never loaded. :func:`verify` compares the files with the record before a load: a
 shard or one whose bytes changed is refused with :class:`CheckpointCorruptError`, naming
 the file.
 
+A save holds :class:`SaveLock` on what it writes (a step folder, a one-file checkpoint)
+from its first byte to its record, so that two saves racing into one place cannot mix
+their files: the second one raises instead of writing.
+
 This module only reads and writes files; the ranks' coordination is :mod:`fastpipe.dcp`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
 import shutil
+import tempfile
 import warnings
 import zlib
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
 
 import torch
 
-from fastpipe.serialization import atomic_write
-
 __all__ = [
     "RECORD",
     "RECORD_FORMAT",
+    "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointKeyError",
+    "SaveLock",
+    "LOCK",
+    "atomic_write",
     "step_dir",
     "checksum",
     "file_entries",
@@ -51,11 +62,21 @@ __all__ = [
 
 RECORD = "commit.pt"
 RECORD_FORMAT = "fastpipe-commit/1"
+LOCK = ".lock"  # a step folder's SaveLock
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}  # flock where the file system has none
 _STEP = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message leads with the cause.
+
+    An ``Exception`` (``torch.distributed.checkpoint``'s own ``CheckpointException`` is a
+    ``BaseException``, which ``except Exception`` misses); the original is its ``__cause__``.
+    """
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
     """A file of a committed checkpoint is missing, truncated, or its checksum fails.
 
     Attributes:
@@ -70,6 +91,96 @@ class CheckpointCorruptError(ValueError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return type(self), (self.path, self.reason)
+
+
+class CheckpointKeyError(CheckpointError, KeyError):
+    """A checkpoint's keys and the module's differ: some are missing from it, or it holds others."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SaveLock:
+    """An exclusive lock on ``path`` (created if need be), taken at once or not at all.
+
+    ``flock`` on an open file: the operating system drops it when the holder dies, so a save
+    killed mid-write never leaves a stale lock behind for the restarted job.
+
+    A file system without locks (Lustre mounted ``noflock``, say) gets a warning that the
+    save goes unprotected, rather than no saves at all.
+
+    Raises:
+        CheckpointError: another save (another process, or another thread) holds it.
+    """
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"fastpipe: another save is writing {what} right now (it holds the lock {path}), so this "
+                "save wrote nothing; save to another step or path, or wait for that save to finish"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+            warnings.warn(
+                f"fastpipe: the file system of {path} cannot lock files ({exc}), so nothing stops a second "
+                f"save racing into {what} from mixing its files with this one's",
+                stacklevel=3,
+            )
+            os.close(fd)
+            return
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        """Lets the next save in; a second call does nothing."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> SaveLock:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a rename in ``directory`` durable; some file systems cannot fsync a directory."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write(obj: Any, path: str) -> None:
+    """``torch.save(obj)`` to ``path`` atomically: a crash leaves the old file (or none), never a torn one."""
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
 
 
 def step_dir(root: str, step: int) -> str:

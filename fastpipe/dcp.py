@@ -15,6 +15,10 @@ After the shards, the commit record (:mod:`fastpipe.commit`) is written by the g
 tensors to host memory; writing, checksums and the record follow in a background thread, on
 a gloo group of the checkpoint's own, so they never interleave with the training's
 collectives.
+
+Rank 0 holds the folder's :class:`~fastpipe.commit.SaveLock` until the record is written, so
+a racing second save raises and writes nothing. DCP's failures raise as
+:class:`~fastpipe.commit.CheckpointError`, each rank's cause first.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import contextlib
 import copy
 import datetime
 import os
-import signal
 import threading
 import time
 import warnings
@@ -35,10 +38,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.commit import CheckpointCorruptError, file_entries, read_record, remove_record, verify, write_record
+from fastpipe.commit import (
+    LOCK,
+    CheckpointCorruptError,
+    CheckpointError,
+    SaveLock,
+    file_entries,
+    read_record,
+    remove_record,
+    verify,
+    write_record,
+)
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.serialization import _load_optimizer
-from fastpipe.shards import aliases, owned_params, rng_state, set_rng_state, share, unflatten
+from fastpipe.shards import (
+    aliases,
+    check_keys,
+    optimizer_slots,
+    owned_params,
+    rng_state,
+    set_rng_state,
+    share,
+    unflatten,
+)
 
 __all__ = [
     "save",
@@ -48,14 +70,9 @@ __all__ = [
     "checkpoint_group",
     "wait_pending",
     "DEFAULT_TIMEOUT",
-    "KILL_ENV",
 ]
 
 DEFAULT_TIMEOUT = 600.0
-# Test-only: "RANK:STEP" makes that global rank SIGKILL itself inside the save of that step,
-# right after writing its shard (before DCP's index and the commit record exist);
-# "RANK:STEP:record" once DCP has finished, just before the commit record's checksums.
-KILL_ENV = "FASTPIPE_TEST_KILL_IN_SAVE"
 _METADATA = ".metadata"
 _GROUPS: dict[tuple[tuple[int, ...], float], Any] = {}
 _PENDING: dict[tuple[int, ...], PendingSave] = {}
@@ -68,23 +85,19 @@ def _dcp() -> Any:
     return dcp
 
 
-def _writer(path: str, step: int) -> Any:
-    """DCP's file writer, one file per rank, fsync'ed; with the test-only kill point of :data:`KILL_ENV`."""
-
-    class Writer(_dcp().FileSystemWriter):  # type: ignore[misc]
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            written = super().write_data(plan, planner)
-            _maybe_die(step, "")
-            return written
-
-    return Writer(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+def _writer(path: str) -> Any:
+    """DCP's file writer, one file per rank, fsync'ed."""
+    return _dcp().FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
 
 
-def _maybe_die(step: int, where: str) -> None:
-    """The test-only kill point of :data:`KILL_ENV`."""
-    wanted = os.environ.get(KILL_ENV)
-    if wanted and wanted == f"{dist.get_rank() if dist.is_initialized() else 0}:{step}{where}":
-        os.kill(os.getpid(), signal.SIGKILL)
+@contextlib.contextmanager
+def _wrapped(what: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` as a :class:`CheckpointError` that leads with each rank's cause."""
+    try:
+        yield
+    except _dcp().api.CheckpointException as exc:
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+        raise CheckpointError(f"fastpipe.dcp: {what}: {causes or exc}") from exc
 
 
 @contextlib.contextmanager
@@ -126,7 +139,6 @@ def _settings(module: nn.Module, group: Any, settings: dict[str, Any] | None) ->
 
 def _commit(folder: str, group: Any, record: dict[str, Any], rng: dict[str, Any]) -> None:
     """Checksums this rank's files, then rank 0 writes the record once every rank has; raises on every rank."""
-    _maybe_die(record["step"], ":record")
     rank = 0 if group is None else dist.get_rank(group)
     mine = sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_"))
     if rank == 0:
@@ -146,7 +158,26 @@ def _commit(folder: str, group: Any, record: dict[str, Any], rng: dict[str, Any]
     if group is not None:
         dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
     if status[0] is not None:
-        raise RuntimeError(f"fastpipe.dcp: could not write the commit record of {folder}: {status[0]}")
+        raise CheckpointError(f"fastpipe.dcp: could not write the commit record of {folder}: {status[0]}")
+
+
+def _lock(folder: str, group: Any) -> contextlib.ExitStack:
+    """Rank 0 takes the folder's lock (closing the stack lets it go) and removes its record; all raise if it failed."""
+    lock = contextlib.ExitStack()
+    status: list[Any] = [None]
+    os.makedirs(folder, exist_ok=True)
+    if group is None or dist.get_rank(group) == 0:
+        try:
+            lock.enter_context(SaveLock(os.path.join(folder, LOCK), folder))
+            remove_record(folder)  # a folder that is written again stops counting first
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it
+            lock.close()
+            status[0] = exc if isinstance(exc, CheckpointError) else CheckpointError(f"fastpipe.dcp: {folder}: {exc}")
+    if group is not None:  # no rank writes before this: the second of two racing saves writes nothing
+        dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)
+    if status[0] is not None:
+        raise status[0]
+    return lock
 
 
 def _start(
@@ -159,25 +190,26 @@ def _start(
     process_group: Any,
     timeout: float,
     asynchronous: bool,
-) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    """Writes (or, asynchronously, stages) this rank's share; returns the group, DCP's result, record and RNG."""
+) -> tuple[Any, contextlib.ExitStack, Any, dict[str, Any], dict[str, Any]]:
+    """Writes (or stages) this rank's share; returns the group, the lock (:func:`_lock`; the caller
+    lets it go after the record), DCP's result, the record and the RNG state."""
     group = checkpoint_group(module, process_group, timeout)
     wait_pending(group)
-    os.makedirs(folder, exist_ok=True)
-    if group is None or dist.get_rank(group) == 0:
-        # A folder that is written again stops counting first. No rank writes before DCP's
-        # first collective, which rank 0 joins only after this.
-        remove_record(folder)
-    rng = rng_state()
-    write = _dcp().async_save if asynchronous else _dcp().save
-    with _quiet(group):
-        result = write(
-            share(module, optimizer), storage_writer=_writer(folder, step), process_group=group, no_dist=group is None
-        )
-    # A copy: the loop goes on appending to its loss history while an asynchronous save is written.
-    record = copy.deepcopy({"step": step, "state": state or {}, "settings": _settings(module, group, settings)})
-    record["time"] = time.time()
-    return group, result, record, rng
+    lock = _lock(folder, group)
+    try:
+        rng = rng_state()
+        write = _dcp().async_save if asynchronous else _dcp().save
+        with _quiet(group), _wrapped(f"could not save {folder}"):
+            result = write(
+                share(module, optimizer), storage_writer=_writer(folder), process_group=group, no_dist=group is None
+            )
+        # A copy: the loop goes on appending to its loss history while an asynchronous save is written.
+        record = copy.deepcopy({"step": step, "state": state or {}, "settings": _settings(module, group, settings)})
+        record["time"] = time.time()
+    except BaseException:
+        lock.close()
+        raise
+    return group, lock, result, record, rng
 
 
 def save(
@@ -199,25 +231,36 @@ def save(
     into the record; pass the same on every rank (rank 0's are kept). ``timeout`` bounds
     every wait on another rank: a rank that dies mid-save makes the others raise within it,
     and the folder stays without a record. Returns when the record is in place.
+
+    Raises:
+        CheckpointError: another save is writing ``folder`` (this one wrote nothing), or writing failed.
     """
-    group, _, record, rng = _start(module, folder, optimizer, step, state, settings, process_group, timeout, False)
-    _commit(folder, group, record, rng)
+    group, lock, _, record, rng = _start(
+        module, folder, optimizer, step, state, settings, process_group, timeout, False
+    )
+    with lock:
+        _commit(folder, group, record, rng)
 
 
 class PendingSave:
     """An :func:`async_save` under way: its shards, checksums and record are written in the background."""
 
-    def __init__(self, folder: str, future: Future[None]) -> None:
+    def __init__(self, folder: str, future: Future[None], key: tuple[int, ...] = ()) -> None:
         self.folder = folder
         self._future = future
+        self._key = key
 
     def done(self) -> bool:
         """The save finished (or failed)."""
         return self._future.done()
 
     def wait(self) -> str:
-        """Blocks until the record is in place; returns the folder, or raises what the save raised."""
-        self._future.result()
+        """Blocks until the record is in place; returns the folder, or raises the save's error (no later save does)."""
+        try:
+            self._future.result()
+        finally:
+            if _PENDING.get(self._key) is self:
+                del _PENDING[self._key]
         return self.folder
 
 
@@ -251,13 +294,16 @@ def async_save(
     say). The training may change its tensors at once. The next save or load on these ranks
     waits for this one first, so at most one is in flight.
     """
-    group, upload, record, rng = _start(module, folder, optimizer, step, state, settings, process_group, timeout, True)
+    group, lock, upload, record, rng = _start(
+        module, folder, optimizer, step, state, settings, process_group, timeout, True
+    )
     done: Future[None] = Future()
 
     def finish() -> None:
         try:
-            cast(Future, upload).result()
-            _commit(folder, group, record, rng)
+            with lock, _wrapped(f"could not save {folder}"):
+                cast(Future, upload).result()
+                _commit(folder, group, record, rng)
             if after_commit is not None:
                 after_commit()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -266,7 +312,7 @@ def async_save(
             done.set_result(None)
 
     threading.Thread(target=finish, name="fastpipe-dcp-commit", daemon=True).start()
-    pending = PendingSave(folder, done)
+    pending = PendingSave(folder, done, _key(group))
     _PENDING[_key(group)] = pending
     return pending
 
@@ -297,6 +343,7 @@ def load(
     *,
     restore_rng: bool = True,
     check: bool = True,
+    strict: bool = True,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> dict[str, Any]:
@@ -304,14 +351,17 @@ def load(
 
     ``into`` is a ``DistributedPipe`` with any balance and number of ranks (call it on every
     rank), a local ``Pipe`` or the plain module. With ``check``, the files are first
-    compared with the record's sizes and CRC-32s (split among the ranks). ``restore_rng``
-    sets this rank's generators (torch, CUDA, Python, NumPy) to those the same rank saved,
-    or rank 0's where the checkpoint had fewer ranks.
+    compared with the record's sizes and CRC-32s (split among the ranks). ``strict``: the
+    checkpoint's model keys must be the whole model's (all ranks' together), neither more
+    nor fewer; ``strict=False`` loads the keys both hold. ``restore_rng`` sets this rank's
+    generators (torch, CUDA, Python, NumPy) to those the same rank saved, or rank 0's
+    where the checkpoint had fewer ranks.
 
     Raises:
         FileNotFoundError: ``folder`` has no commit record (the save did not finish).
         CheckpointCorruptError: a file is missing, truncated or corrupt (with ``check``).
-        KeyError: the checkpoint lacks keys that ``into`` holds.
+        CheckpointKeyError: with ``strict``, the checkpoint's keys are not the model's.
+        CheckpointError: DCP could not read it (a shape that differs, say), leading with the cause.
     """
     group = checkpoint_group(into, process_group, timeout)
     wait_pending(group)
@@ -323,27 +373,20 @@ def load(
     metadata = _dcp().FileSystemReader(folder).read_metadata().state_dict_metadata
     tied = aliases(into)
     model = into.state_dict()
+    if strict:  # over the whole model: every rank's keys together, so all ranks raise alike
+        saved = [k.removeprefix("model.") for k in metadata if k.startswith("model.")]
+        check_keys({tied.get(k, k) for k in model}, saved, f"fastpipe.dcp: {folder}", group)
+    else:
+        model = {k: v for k, v in model.items() if f"model.{tied.get(k, k)}" in metadata}
     wanted: dict[str, Any] = {f"model.{tied.get(k, k)}": v for k, v in model.items()}
-    optim_keys: dict[str, str] = {}  # DCP key -> this module's name
-    if optimizer is not None:
-        for name, saved_as in owned_params(into, optimizer).items():
-            for prefix in (f"optim.state.{saved_as}.", f"optim.param_groups.{saved_as}."):
-                for key in (k for k in metadata if k.startswith(prefix)):
-                    entry = metadata[key]
-                    wanted[key] = (
-                        torch.empty(entry.size, dtype=entry.properties.dtype)
-                        if isinstance(entry, _dcp().metadata.TensorStorageMetadata)
-                        else None
-                    )
-                    optim_keys[key] = name
-    missing = [k for k in wanted if k not in metadata]
-    if missing:
-        raise KeyError(f"fastpipe.dcp: {folder} lacks {missing}")
-    with _quiet(group):
+    optim_keys = {} if optimizer is None else optimizer_slots(into, optimizer, metadata)
+    wanted.update({key: slot for key, (_, slot) in optim_keys.items()})
+    with _quiet(group), _wrapped(f"could not load {folder}"):
         _dcp().load(wanted, checkpoint_id=folder, process_group=group, no_dist=group is None)
-    into.load_state_dict({k: wanted[f"model.{tied.get(k, k)}"] for k in model})
+    into.load_state_dict({k: wanted[f"model.{tied.get(k, k)}"] for k in model}, strict=False)
     if optimizer is not None:
-        _load_optimizer(into, optimizer, unflatten(wanted, optim_keys, owned_params(into, optimizer)))
+        names = {key: name for key, (name, _) in optim_keys.items()}
+        _load_optimizer(into, optimizer, unflatten(wanted, names, owned_params(into, optimizer)))
     if restore_rng:
         rngs = record["rng"]
         me = 0 if group is None else dist.get_rank()

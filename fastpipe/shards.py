@@ -15,14 +15,28 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from fastpipe.commit import CheckpointKeyError
 from fastpipe.distributed_pipe import DistributedPipe
 
-__all__ = ["aliases", "owned_params", "share", "unflatten", "rng_state", "set_rng_state"]
+__all__ = [
+    "aliases",
+    "check_keys",
+    "optimizer_slots",
+    "owned_params",
+    "share",
+    "unflatten",
+    "rng_state",
+    "set_rng_state",
+]
+
+_SHOWN = 5  # keys named per kind in a mismatch's message
 
 
 def aliases(module: nn.Module) -> dict[str, str]:
@@ -37,6 +51,44 @@ def aliases(module: nn.Module) -> dict[str, str]:
             if tie.reader_name in saved_as and tie.name not in saved_as:
                 saved_as[tie.reader_name] = tie.name
     return {k: v for k, v in saved_as.items() if k != v}
+
+
+def check_keys(expected: Iterable[str], saved: Iterable[str], where: str, group: Any = None) -> None:
+    """A strict load's check: the checkpoint holds exactly the model's keys.
+
+    Args:
+        expected: the model's keys; with ``group``, this rank's share of them (a collective:
+            call it on every rank of ``group``, which checks against all ranks' keys together).
+        saved: the checkpoint's keys.
+        where: what the message names first.
+        group: the ranks that hold the model together, or None.
+
+    Raises:
+        CheckpointKeyError: naming the first few keys missing from the checkpoint and the
+            first few it holds that the model lacks, and how many of each.
+    """
+    expected, saved = set(expected), set(saved)
+    if group is not None:
+        ranks: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, sorted(expected), group=group)
+        expected = {k for keys in ranks for k in keys}
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if not missing and not unexpected:
+        return
+
+    def some(keys: list[str]) -> str:
+        more = f", and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+        return ", ".join(keys[:_SHOWN]) + more
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the model's keys are missing from it ({some(missing)})")
+    if unexpected:
+        parts.append(f"it holds {len(unexpected)} keys the model lacks ({some(unexpected)})")
+    raise CheckpointKeyError(
+        f"{where} does not fit the model: {'; '.join(parts)}. Build the model the checkpoint was saved "
+        "from, or pass strict=False to load only the keys both hold"
+    )
 
 
 def owned_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
@@ -72,6 +124,24 @@ def share(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
             if k != "params":
                 out[f"optim.param_groups.{name}.{k}"] = v
     return out
+
+
+def optimizer_slots(module: nn.Module, optimizer: torch.optim.Optimizer, metadata: dict[str, Any]) -> dict[str, Any]:
+    """{DCP key: (this module's parameter name, an empty tensor to read it into, or None)} of the optimizer's state.
+
+    ``metadata`` is DCP's index of the checkpoint (``state_dict_metadata``); only the keys it
+    holds are listed (a parameter that has not stepped yet has no state).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    slots: dict[str, Any] = {}
+    for name, saved_as in owned_params(module, optimizer).items():
+        for prefix in (f"optim.state.{saved_as}.", f"optim.param_groups.{saved_as}."):
+            for key in (k for k in metadata if k.startswith(prefix)):
+                entry = metadata[key]
+                tensor = isinstance(entry, TensorStorageMetadata)
+                slots[key] = (name, torch.empty(entry.size, dtype=entry.properties.dtype) if tensor else None)
+    return slots
 
 
 def rng_state() -> dict[str, Any]:

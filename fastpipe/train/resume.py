@@ -2,14 +2,21 @@
 
 A save folder holds::
 
-    DIR/model-000120.pt   fastpipe.save: parameters (the Sequential's keys), AdamW state by
-                          parameter name, the caller's RNG state (the Pipe's dropout seeds)
-    DIR/run.pt            the commit record: step, history, configuration, which model file
+    DIR/model-000120.pt   parameters (the Sequential's keys), AdamW state by parameter name,
+                          the caller's RNG state (the Pipe's dropout seeds); fastpipe.save's format
+    DIR/model-000100.pt   the save before it, to fall back on
+    DIR/run.pt            the commit record: for each of the two, its step, history,
+                          configuration, model file and that file's size and CRC-32
 
-Both are written atomically (temporary file, fsync, rename) and ``run.pt`` goes last: a run
-killed at any moment leaves ``run.pt`` naming a complete model file, the previous one or the
-new one. Older model files are removed only after the new record is in place. Nothing else
-needs saving: the data of step ``n`` and the learning rate are functions of ``n``.
+Both are written atomically (temporary file, fsync, rename) and ``run.pt`` goes last, under
+an exclusive lock (``DIR/.run.pt.lock``: a second run saving into DIR raises): a run killed
+at any moment leaves ``run.pt`` naming complete model files. Older model files are removed
+only after the new record is in place. A resume checks the newest model file against its
+size and CRC-32; one that fails is named in a warning and the save before it is loaded
+instead; with neither intact it raises :class:`~fastpipe.commit.CheckpointCorruptError`.
+A ``run.pt`` without checksums (an earlier fastpipe's) loads with a warning that its model
+file cannot be verified. Nothing else needs saving: the data of step ``n`` and the
+learning rate are functions of ``n``.
 
 Under torchrun every rank calls :func:`save_run` and :func:`load_run`, and a
 :class:`~fastpipe.DistributedPipe` saves sharded instead (:mod:`fastpipe.checkpoints`):
@@ -26,22 +33,23 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-import fastpipe
 from fastpipe.checkpoints import resume_or_start, save_checkpoint
-from fastpipe.commit import latest
+from fastpipe.commit import CheckpointCorruptError, SaveLock, atomic_write, file_entries, latest, verify
 from fastpipe.distributed_pipe import DistributedPipe
-from fastpipe.serialization import atomic_write
+from fastpipe.serialization import load_file, write_file
 
 __all__ = ["RUN_FORMAT", "check_compatible", "has_run", "load_run", "save_run"]
 
 RUN_FORMAT = "fastpipe-train/1"
 _RECORD = "run.pt"
-_KEEP = 2  # sharded checkpoints kept: the newest, and one to fall back on if it is damaged
+_LOCK = ".run.pt.lock"
+_KEEP = 2  # saves kept: the newest, and one to fall back on if it is damaged
 
 
 def has_run(folder: str) -> bool:
@@ -63,7 +71,10 @@ def save_run(
     ``record`` (history, configuration) is stored beside ``step`` in the commit record. For a
     DistributedPipe call it on every rank: each writes its shard of ``DIR/step-NNNNNN`` and
     the folder's path is returned (``writer`` is then unused); otherwise only the ``writer``
-    writes the record and removes the older model files.
+    writes the model file and the record and removes the older model files.
+
+    Raises:
+        CheckpointError: another run is saving into ``folder`` (this save wrote nothing).
     """
     os.makedirs(folder, exist_ok=True)
     if isinstance(pipe, DistributedPipe):
@@ -79,15 +90,43 @@ def save_run(
         assert isinstance(saved, str)
         return saved
     name = f"model-{step:06d}.pt"
-    fastpipe.save(pipe, os.path.join(folder, name), optimizer=optimizer)
     if not writer:
         return os.path.join(folder, name)
-    atomic_write({**record, "format": RUN_FORMAT, "step": step, "model_file": name}, os.path.join(folder, _RECORD))
-    for old in glob.glob(os.path.join(folder, "model-*.pt")):
-        if os.path.basename(old) != name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old)
+    with SaveLock(os.path.join(folder, _LOCK), folder):
+        try:
+            earlier = _saves(folder)
+        except ValueError:  # unreadable (CheckpointCorruptError), or not a train record: it vouches for nothing
+            earlier = []
+        write_file(pipe, os.path.join(folder, name), optimizer)
+        entry = {**record, "step": step, "model_file": name, "files": file_entries(folder, [name])}
+        saves = [entry, *(e for e in earlier if e["model_file"] != name)][:_KEEP]
+        atomic_write({"format": RUN_FORMAT, "saves": saves}, os.path.join(folder, _RECORD))
+        kept = {e["model_file"] for e in saves}
+        for old in glob.glob(os.path.join(folder, "model-*.pt")):
+            if os.path.basename(old) not in kept:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(old)
     return os.path.join(folder, name)
+
+
+def _saves(folder: str) -> list[dict[str, Any]]:
+    """The saves ``run.pt`` records, newest first; [] where there is no ``run.pt``.
+
+    Raises:
+        CheckpointCorruptError: ``run.pt`` cannot be read.
+        ValueError: it is not a ``fastpipe train`` record.
+    """
+    path = os.path.join(folder, _RECORD)
+    if not os.path.exists(path):
+        return []
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it is damage
+        raise CheckpointCorruptError(path, f"unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(record, dict) or record.get("format") != RUN_FORMAT:
+        raise ValueError(f"--resume {folder}: {_RECORD} is not a fastpipe train record")
+    # A record without "saves" is an earlier fastpipe's: one save, with no checksums.
+    return list(record["saves"]) if "saves" in record else [record]
 
 
 def load_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -99,6 +138,7 @@ def load_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer) -> 
     Raises:
         FileNotFoundError: ``folder`` holds no completed save.
         ValueError: the record is not a ``fastpipe train`` save.
+        CheckpointCorruptError: no model file that the record lists is intact.
     """
     if isinstance(pipe, DistributedPipe) and latest(folder) is not None:
         resumed = resume_or_start(folder, pipe, optimizer)
@@ -108,14 +148,35 @@ def load_run(folder: str, pipe: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if not isinstance(state, dict) or state.get("format") != RUN_FORMAT:
             raise ValueError(f"--resume {resumed['folder']}: not a fastpipe train checkpoint")
         return {**state, "step": resumed["step"]}
-    path = os.path.join(folder, _RECORD)
-    if not os.path.exists(path):
+    saves = _saves(folder)
+    if not saves:
         raise FileNotFoundError(f"--resume {folder}: no {_RECORD} there (was it written by fastpipe train --save?)")
-    record = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(record, dict) or record.get("format") != RUN_FORMAT:
-        raise ValueError(f"--resume {folder}: {_RECORD} is not a fastpipe train record")
-    fastpipe.load(os.path.join(folder, record["model_file"]), pipe, optimizer=optimizer, restore_rng=True)
-    return record
+    failed: list[CheckpointCorruptError] = []
+    for save in saves:
+        model_file = os.path.join(folder, save["model_file"])
+        if "files" not in save:
+            warnings.warn(
+                f"--resume {folder}: {_RECORD} records no checksums (an earlier fastpipe wrote it), so "
+                f"{model_file} cannot be verified; the next save records them",
+                stacklevel=2,
+            )
+        else:
+            try:
+                verify(folder, save)
+            except CheckpointCorruptError as exc:
+                failed.append(exc)
+                continue
+        if failed:
+            warnings.warn(
+                f"{'; '.join(map(str, failed))}; resuming from the save before it instead, {model_file} "
+                f"(step {save['step']})",
+                stacklevel=2,
+            )
+        load_file(model_file, pipe, optimizer, restore_rng=True)
+        return save
+    first = failed[0]
+    others = "; ".join(str(e) for e in failed[1:]) or "no earlier save is kept"
+    raise CheckpointCorruptError(first.path, f"{first.reason}, and no earlier save in {folder} is intact ({others})")
 
 
 def check_compatible(saved: dict[str, Any], now: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from _ckpt_training import HIDDEN, make_model, train
 from _dist_utils import check_ok, run_ranks
+from _kill_points import die_after_writing_the_shard, die_before_the_record
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 import fastpipe
@@ -18,6 +20,11 @@ from fastpipe import Pipe, dcp
 from fastpipe.commit import latest, read_record, step_dir
 
 TIMEOUT = 15.0
+# Reductions from input to loss (8 Linears of HIDDEN inputs, the mean over a batch of 8 x HIDDEN)
+# plus the 8 rows a weight gradient sums over. A run in this process against spawned ranks is
+# not bitwise: the ranks run one thread each (this process as many as the user's), and zb-h1's
+# W stacks two micro-batches into one weight GEMM where 1F1B runs one per micro-batch.
+K = 8 * HIDDEN + 8 * HIDDEN + 8
 
 
 def distributed(
@@ -37,7 +44,8 @@ def _train_save_then_die(rank: int, world: int, root: str) -> dict:
     pending = fastpipe.save_checkpoint(root, pipe, opt, 3, state={"losses": losses}, asynchronous=True, timeout=TIMEOUT)
     after = train(pipe, opt, range(3, 6))  # while the checkpoint is written
     assert isinstance(pending, dcp.PendingSave) and pending.wait() == step_dir(root, 3)
-    os.environ[dcp.KILL_ENV] = "1:6"
+    if rank == 1:
+        die_after_writing_the_shard()
     try:
         fastpipe.save_checkpoint(root, pipe, opt, 6, state={"losses": losses + after}, timeout=TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - the survivor reports what it saw
@@ -63,7 +71,8 @@ def _save_twice_rank_0_dies_before_the_record(rank: int, world: int, root: str) 
     pipe, opt = distributed([4, 4], "1f1b", 0.0, 0)
     train(pipe, opt, range(1))
     fastpipe.save_checkpoint(root, pipe, opt, 1, timeout=TIMEOUT)
-    os.environ[dcp.KILL_ENV] = "0:2:record"
+    if rank == 0:
+        die_before_the_record()
     try:
         fastpipe.save_checkpoint(root, pipe, opt, 2, timeout=TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - the survivor reports what it saw
@@ -125,7 +134,7 @@ def test_one_folder_loads_into_4_ranks_2_ranks_a_local_pipe_and_the_plain_model(
     # 2 ranks -> 4 ranks (another balance and schedule); it saves steps 6 and 7 (the same weights)
     four = check_ok(run_ranks(_resume, 4, root, [2, 2, 2, 2], "zb-h1", 0.0, 1, timeout=150))
     assert all(r["step"] == 3 and r["losses"] == four[0]["losses"] for r in four)
-    assert four[0]["losses"] == local(step_dir(root, 3), [2, 6])
+    assert_close_reordered(torch.tensor(four[0]["losses"]), torch.tensor(local(step_dir(root, 3), [2, 6])), k=K)
 
     # 4 ranks -> 2 ranks, with the newest checkpoint damaged: refused by name, step 6 used instead
     shard = os.path.join(step_dir(root, 7), "__3_0.distcp")
@@ -135,7 +144,8 @@ def test_one_folder_loads_into_4_ranks_2_ranks_a_local_pipe_and_the_plain_model(
     two = check_ok(run_ranks(_resume, 2, root, [4, 4], "1f1b", 0.0, 0, timeout=120))
     assert all(r["step"] == 6 for r in two)
     assert any("__3_0.distcp" in w and "previous complete checkpoint" in w for w in two[0]["warnings"])
-    assert two[0]["losses"] == two[1]["losses"] == local(step_dir(root, 6), [3, 5])
+    assert two[0]["losses"] == two[1]["losses"]
+    assert_close_reordered(torch.tensor(two[0]["losses"]), torch.tensor(local(step_dir(root, 6), [3, 5])), k=K)
 
     # the plain Sequential, in this process
     plain = make_model(seed=12)
@@ -222,3 +232,32 @@ def test_pipeline_and_data_parallel_ranks_write_each_key_once_and_resume(tmp_pat
     assert sum(info.length for info in metadata.storage_data.values()) == written
     keys = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
     assert keys == {f"model.{k}" for k in make_model().state_dict()}
+
+
+def _load_into_six_layers(rank: int, world: int, folder: str, path: str) -> dict:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    pipe = DistributedPipe(make_model(seed=rank + 1)[:6], [3, 3], chunks=2, timeout=TIMEOUT)
+    refused = {}
+    for name, load in (("dcp", lambda: dcp.load(folder, pipe)), ("one file", lambda: fastpipe.load(path, pipe))):
+        try:
+            load()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            refused[name] = (type(exc).__name__, str(exc))
+    dcp.load(folder, pipe, strict=False, timeout=TIMEOUT)
+    return {"refused": refused, "loaded": {k: v.clone() for k, v in pipe.state_dict().items()}}
+
+
+def test_every_rank_refuses_a_checkpoint_of_a_bigger_model_unless_not_strict(tmp_path) -> None:
+    folder, path = str(tmp_path / "ck"), str(tmp_path / "ckpt.pt")
+    saved = make_model(seed=0)
+    dcp.save(saved, folder)
+    fastpipe.save(saved, path)
+    ranks = check_ok(run_ranks(_load_into_six_layers, 2, folder, path, timeout=120))
+    for r in ranks:  # each rank holds keys of the checkpoint; the unexpected ones are no rank's
+        for kind in ("dcp", "one file"):
+            error, message = r["refused"][kind]
+            assert error == "CheckpointKeyError", message
+            assert "holds 4 keys the model lacks (6.0.bias, 6.0.weight, 7.0.bias, 7.0.weight)" in message
+        for key, value in r["loaded"].items():
+            assert torch.equal(value, saved.state_dict()[key]), key

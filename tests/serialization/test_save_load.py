@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 from _ckpt_training import HIDDEN, make_model
 from _ckpt_training import train as _train
 from _dist_utils import check_ok, run_ranks
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
@@ -53,11 +55,14 @@ def test_save_on_four_ranks_load_on_two_ranks_one_process_and_plain(tmp_path, mo
     resumed = check_ok(run_ranks(_load_on_two, 2, path, timeout=60))
     assert resumed[0] == after[0] and resumed[1] == after[0]
 
-    # one process, two stages
+    # one process, two stages: this process runs as many threads as the user's (the ranks one
+    # each), so other GEMM kernels; equal up to rounding over 8 Linears of HIDDEN inputs, the
+    # loss's mean over 8 x HIDDEN values and the 8 rows a weight gradient sums over
     pipe = Pipe(make_model(seed=7), [4, 4], chunks=4)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     load(path, pipe, opt)
-    assert _train(pipe, opt, range(3, 5)) == after[0]
+    k = 8 * HIDDEN + 8 * HIDDEN + 8
+    assert_close_reordered(torch.tensor(_train(pipe, opt, range(3, 5))), torch.tensor(after[0]), k=k)
 
     # the plain Sequential
     plain = make_model(seed=8)
@@ -86,9 +91,12 @@ def test_a_failed_write_leaves_the_previous_file_intact(tmp_path, monkeypatch) -
         save(model, path)
     monkeypatch.undo()
     assert open(path, "rb").read() == before
-    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
+    # no temporary file left behind: the checkpoint, its record and its lock file
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.pt.lock", "ckpt.pt", "ckpt.pt.commit"]
     restored = make_model(seed=3)
-    load(path, restored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file still matches its record
+        load(path, restored)
     assert torch.equal(restored[0][0].weight, make_model()[0][0].weight)
 
 
