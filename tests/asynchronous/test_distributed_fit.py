@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
 
 BOUND = 4.0  # the runtime's timeout in the fault test, in seconds
+# The fit tests hold the ranks' fit against the same fit in this process. The ranks run one thread
+# each and this process as many as the user's, so the GEMMs may take other kernels: equal up to
+# rounding. Reductions on the way: three Linears' inputs (8, 16, 16), the loss's mean over 12 x 4
+# values and the 12 rows a weight gradient sums over.
+K = 8 + 16 + 16 + 12 * 4 + 12
 
 
 class Trap(nn.Module):
@@ -73,11 +81,12 @@ def test_distributed_fit_equals_local_fit(monkeypatch: pytest.MonkeyPatch) -> No
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     run = pipe.fit(data(), nn.MSELoss(), opt, consistency="predict", scheduler=sched, window=2)
     losses = [loss.item() for loss in run]
-    assert outcomes[0]["losses"] == outcomes[1]["losses"] == losses
+    assert outcomes[0]["losses"] == outcomes[1]["losses"]  # every rank reports the last stage's loss
+    assert_close_reordered(torch.tensor(outcomes[0]["losses"]), torch.tensor(losses), k=K)
     state = pipe.state_dict()
     for rank, outcome in enumerate(outcomes):
         for k, v in outcome["state"].items():
-            assert torch.equal(v, state[k]), (rank, k)
+            assert_close_reordered(v, state[k], k=K, msg=f"rank {rank}: {k}")
         assert outcome["copies"] == {rank: run.weight_copy_bytes[rank]}
     assert run.weight_copy_bytes[0] > 0  # stage 0 ran on predictions
 
@@ -105,12 +114,29 @@ def _fit_bn(rank: int, world: int) -> dict:
     return {"losses": losses, "state": {k: v.clone() for k, v in pipe.state_dict().items()}}
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """This process on one intra-op thread, as each rank runs (tests/_dist_utils.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_distributed_fit_with_deferred_batch_norm_equals_local_fit() -> None:
     # The running statistics are committed per mini-batch at each rank's update, as in Pipe.fit.
     outcomes = check_ok(run_ranks(_fit_bn, 2, timeout=90))
-    pipe = Pipe(bn_model(), balance=[3, 3], chunks=2, checkpoint="except_last", deferred_batch_norm=True)
-    opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
-    losses = [loss.item() for loss in pipe.fit(data(), nn.MSELoss(), opt, consistency="predict", window=3)]
+    # A bias that feeds a BatchNorm has a true gradient of 0: what autograd computes for it is
+    # rounding noise, which Adam turns into steps of about lr (and the running mean follows).
+    # Those values agree only where the arithmetic is identical, so the local fit runs on one
+    # thread, as each rank does: the same GEMMs on the same shapes, bit for bit.
+    with _one_thread():
+        pipe = Pipe(bn_model(), balance=[3, 3], chunks=2, checkpoint="except_last", deferred_batch_norm=True)
+        opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
+        losses = [loss.item() for loss in pipe.fit(data(), nn.MSELoss(), opt, consistency="predict", window=3)]
+        pipe.close()
     assert outcomes[0]["losses"] == outcomes[1]["losses"] == losses
     state = pipe.state_dict()
     for rank, outcome in enumerate(outcomes):
@@ -208,19 +234,20 @@ def test_virtual_stages_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTPIPE_P2P", "ordered")
     outcomes = check_ok(run_ranks(_virtual, 2, timeout=120))
     # sync: each stage sums its micro-batches in the same order under the interleaved and the plain 1F1B,
-    # so the virtual-stage run equals a local 4-stage fit bit for bit.
+    # so the virtual-stage run equals a local 4-stage fit up to the thread counts' rounding (see K).
     pipe = Pipe(model(), balance=[1, 2, 1, 2], chunks=2, checkpoint="except_last")
     opt = torch.optim.Adam(pipe.parameters(), lr=3e-2)
     losses = [loss.item() for loss in pipe.fit(data(), nn.MSELoss(), opt, consistency="sync", window=3)]
     state = pipe.state_dict()
     for outcome in outcomes:
-        assert outcome["sync"]["losses"] == losses
+        assert_close_reordered(torch.tensor(outcome["sync"]["losses"]), torch.tensor(losses), k=K)
         for k, v in outcome["sync"]["state"].items():
-            assert torch.equal(v, state[k]), k
+            assert_close_reordered(v, state[k], k=K, msg=k)
     for consistency in ("predict", "stash"):
         a, b = outcomes[0][consistency], outcomes[1][consistency]
         assert a["losses"] == b["losses"] and all(map(torch.isfinite, map(torch.tensor, a["losses"])))
-        assert a["losses"] != losses  # the stream ran asynchronously: other weights than sync's
+        # The stream ran asynchronously: other weights than the same ranks' sync run (the same arithmetic).
+        assert a["losses"] != outcomes[0]["sync"]["losses"]
         # Each rank's first virtual stage (0 on rank 0, 1 on rank 1) runs ahead of its updates; the copies
         # it held are the schedule's bound, read independently from the interleaved stream.
         for rank, outcome in enumerate(outcomes):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -229,6 +230,37 @@ def test_triton_is_an_extra_that_the_test_extra_brings() -> None:
     assert set(extras["triton"]) <= set(extras["test"])
     # `fastpipe train` (its corpus) and the distributed wire format need numpy without triton.
     assert "numpy" in args["install_requires"]
+
+
+def _name(requirement: str) -> str:
+    """The project name a requirement string names (``"torch>=2.11"`` -> ``"torch"``)."""
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group(0)).lower()
+
+
+def test_no_extra_repeats_a_required_dependency() -> None:
+    args = _setup_arguments()
+    required = {_name(r) for r in args["install_requires"]}
+    repeated = {extra: sorted(required & {_name(r) for r in reqs}) for extra, reqs in args["extras_require"].items()}
+    assert not any(repeated.values()), f"extras that repeat install_requires: {repeated}"
+
+
+def test_the_test_extra_brings_what_building_without_isolation_needs() -> None:
+    # tests/package/test_compiler_requirement.py runs setup.py with --no-build-isolation, so the
+    # test environment itself must hold what setup.py imports.
+    test_extra = {_name(r) for r in _setup_arguments()["extras_require"]["test"]}
+    assert {"pybind11", "setuptools"} <= test_extra
+
+
+def test_the_classifiers_name_every_python_from_python_requires_through_3_13() -> None:
+    args = _setup_arguments()
+    floor = re.fullmatch(r">=3\.(\d+)", args["python_requires"])
+    assert floor, args["python_requires"]
+    named = {
+        c.rsplit(" :: ", 1)[1] for c in args["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    }
+    assert named == {f"3.{minor}" for minor in range(int(floor.group(1)), 14)}
 
 
 def test_py_typed_gives_mypy_the_types_of_an_installed_fastpipe(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _seeded_reference import seeded_forward, step_seed_after
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 import fastpipe.runtime.step as step_core
@@ -310,7 +311,9 @@ def test_inplace_first_layer_still_works_under_checkpoint():
     pipe = Pipe(net, balance=[1, 2], chunks=2, checkpoint="always")
     x = torch.randn(4, 4)
     out = pipe(x)
-    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+    # Micro-batches of 2 rows against the full batch of 4 run other GEMM shapes: equal up to
+    # rounding, over two Linears of 4 inputs each.
+    assert_close_reordered(out, ref(x), k=4 + 4)
     out.sum().backward()
 
 
