@@ -2,30 +2,39 @@
 
 Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
-    fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule 1f1b
-    fastpipe plan --model mymodels:build --sample-shape 256,512 --partitions 4 --microbatches 8
-    fastpipe plan --costs "1,2,3,4" --partitions 2 --microbatches 8 --schedule auto --memory-limit 2
-    fastpipe train --schedule 1f1b --steps 300
+    fastpipe plan --costs "1,2,3,4" --stages 2 --chunks 8 --schedule zb-h1
+    fastpipe plan --model mymodels:build --sample-shape 256,512 --stages 4 --chunks 8
+    fastpipe plan --costs "1,2,3,4" --stages 2 --chunks 8 --schedule auto --memory-limit 2
+    fastpipe train --schedule zb-v --steps 300
     torchrun --nproc-per-node 2 -m fastpipe train --save ckpt --resume auto   # one process per stage
     fastpipe bench --quick --only e2e,schedules --out bench-out
 
+``plan`` and ``train`` share the vocabulary of ``Pipe``: ``--stages`` pipeline workers,
+``--chunks`` micro-batches per step, ``--schedule`` (1f1b by default) with ``--virtual-stages``
+(stages per worker). ``--partitions`` and ``--microbatches`` are ``plan``'s other spellings of
+the first two.
+
 With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
 ``nn.Sequential``; the module is looked up in the current directory first, as ``python -m``
-does) each layer is profiled on one micro-batch of a random sample, and the
-plan also shows each stage's peak memory: its activations for the micro-batches its worker
-keeps alive at once, plus parameters, gradients and optimizer state.
+does) each layer is profiled on one micro-batch of a random sample; the plan's times are then
+seconds (else in the unit of ``--costs``) and it also shows each stage's peak memory: its
+activations for the micro-batches its worker keeps alive at once, plus parameters, gradients
+and optimizer state.
 
 ``--schedule auto`` balances the layers for ZB-H1, then prints every schedule the search
 (:mod:`fastpipe.schedule.search`) considered on the stages' costs, with its simulated time,
-bubble and peak activation memory, and the one it chose. There ``--memory-limit`` caps the
-activations one worker holds at once: in bytes of saved tensors with ``--model``, in the units
-of ``--memory`` (one micro-batch's, per layer) with it, else in micro-batches alive.
+bubble (the idle share of the ``--stages`` workers, of which a candidate with several stages
+per worker uses fewer) and peak activation memory, and the one it chose. There
+``--memory-limit`` caps the activations one worker holds at once: in bytes of saved tensors
+with ``--model``, in the units of ``--memory`` (one micro-batch's, per layer) with it, else in
+micro-batches alive.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -37,10 +46,24 @@ from fastpipe.schedule import SCHEDULES, ScheduleError, build
 __all__ = ["build_parser", "main"]
 
 _PLAN_USAGE = (
-    "fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) "
-    "--partitions K --microbatches M [options]"
+    "fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) --stages K --chunks M [options]"
 )
-_PLAN_EXAMPLE = "fastpipe plan --costs 1,2,3,4 --partitions 2 --microbatches 8"
+_PLAN_EXAMPLE = "fastpipe plan --costs 1,2,3,4 --stages 2 --chunks 8"
+_COST_UNITS = " cost units"  # --costs are in any unit of time; the plan keeps it
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """The factor and unit to show ``seconds`` in: s, ms, µs or ns, whichever gives 1 to 999."""
+    for scale, unit in ((1.0, "s"), (1e3, "ms"), (1e6, "µs")):
+        if abs(seconds) * scale >= 1:
+            return scale, unit
+    return 1e9, "ns"
+
+
+def _seconds(value: float) -> str:
+    """A time in seconds as people read it: ``4.51 ms``, ``1.2 s``, ``850 µs``."""
+    scale, unit = _time_unit(value)
+    return f"{value * scale:.3g} {unit}"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -106,8 +129,6 @@ def _load_model(spec: str) -> Any:
 
 def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per-layer forward s, backward s, activation bytes and parameter bytes of one micro-batch."""
-    import math
-
     import torch
 
     from fastpipe.balance import profile_layers
@@ -116,7 +137,7 @@ def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[f
         raise ValueError("--model needs --sample-shape (the mini-batch shape, e.g. 256,512)")
     model = _load_model(args.model)
     shape = list(args.sample_shape)
-    shape[0] = max(1, math.ceil(shape[0] / args.microbatches))
+    shape[0] = max(1, math.ceil(shape[0] / args.chunks))
     dtype = getattr(torch, args.sample_dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--sample-dtype {args.sample_dtype!r} is not a torch dtype")
@@ -147,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage=_PLAN_USAGE,
         formatter_class=_HelpFormatter,
     )
-    # The costs, --partitions and --microbatches are checked in _plan, which says what each one is.
+    # The costs, --stages and --chunks are checked in _plan, which says what each one is.
     source = p.add_mutually_exclusive_group()
     source.add_argument("--costs", type=_floats, help="forward cost per layer, e.g. '1,2,3,4' (this or --model)")
     source.add_argument(
@@ -165,15 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes kept per parameter byte: parameter, gradient, optimizer state (4 for Adam)",
     )
     p.add_argument("--bwd-costs", type=_floats, default=None, help="backward cost per layer (default 2x forward)")
-    p.add_argument("--partitions", type=int, help="pipeline workers K the layers are balanced over (required)")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step M (required)")
+    p.add_argument("--stages", type=int, help="pipeline workers K the layers are balanced over (required)")
+    p.add_argument("--chunks", type=int, help="micro-batches per step M (required)")
+    # torchgpipe's words for the same two numbers.
+    p.add_argument("--partitions", type=int, dest="stages", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--microbatches", type=int, dest="chunks", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument(
         "--schedule",
-        default="gpipe",
+        default="1f1b",
         choices=(*SCHEDULES, "auto"),
-        help="pipeline schedule the plan is for",
+        help="pipeline schedule the plan is for, as fastpipe train and Pipe take it",
     )
-    p.add_argument("--virtual-stages", type=int, default=1, help="stages per worker (interleaved)")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="stages per worker (K x V stages in all): any V with --schedule interleaved (default 2); "
+        "zb-v and dualpipev take 2; the others 1",
+    )
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
     p.add_argument(
         "--memory-limit",
@@ -213,15 +244,17 @@ def _check_plan(args: argparse.Namespace) -> None:
     missing = []
     if args.costs is None and args.model is None:
         missing.append("the layers' costs (--costs 1,2,3,4, or --model module:callable to profile them)")
-    if args.partitions is None:
-        missing.append("--partitions K (the pipeline workers to balance the layers over)")
-    if args.microbatches is None:
-        missing.append("--microbatches M (the micro-batches per step)")
+    if args.stages is None:
+        missing.append("--stages K (the pipeline workers to balance the layers over)")
+    if args.chunks is None:
+        missing.append("--chunks M (the micro-batches per step)")
     if missing:
         raise ValueError(f"fastpipe plan needs {'; '.join(missing)}. Example: {_PLAN_EXAMPLE}")
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from fastpipe.train.options import virtual_stages
+
     _check_plan(args)
     acts: list[float] | None = None
     params: list[float] | None = None
@@ -230,51 +263,37 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         fwd = args.costs
         bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
+    virtual = virtual_stages(args.schedule, args.virtual_stages)
     if args.schedule == "auto":
         return _plan_auto(args, fwd, bwd, acts)
-    schedule = build(args.schedule, args.partitions, args.microbatches, virtual_stages=args.virtual_stages)
+    schedule = build(args.schedule, args.stages, args.chunks, virtual_stages=virtual)
+    step: dict[str, Any] = {"microbatches": args.chunks, "schedule": args.schedule, "virtual_stages": virtual}
     memory = args.memory
     if memory is None and acts is not None and params is not None:
-        in_flight = max(
-            predict(
-                [1] * schedule.num_stages,
-                [1.0] * schedule.num_stages,
-                [1.0] * schedule.num_stages,
-                microbatches=args.microbatches,
-                schedule=args.schedule,
-                virtual_stages=args.virtual_stages,
-            ).peak_activations
-        )
+        ones = [1.0] * schedule.num_stages
+        in_flight = max(predict([1] * schedule.num_stages, ones, ones, **step).peak_activations)
         memory = [a * in_flight + args.state_factor * p for a, p in zip(acts, params)]
     balance = plan(
         fwd,
         bwd,
-        args.partitions,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
+        args.stages,
         memory=memory,
         memory_limit=args.memory_limit,
         comm=args.comm,
-        virtual_stages=args.virtual_stages,
         tolerance=MEASURED_TOLERANCE if args.model is not None else 0.0,  # profiled costs are noisy
+        **step,
     )
-    timeline = predict(
-        balance,
-        fwd,
-        bwd,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        comm=args.comm,
-        virtual_stages=args.virtual_stages,
-    )
+    timeline = predict(balance, fwd, bwd, comm=args.comm, **step)
     peaks = timeline.peak_activations
-    unit = "s" if args.model is not None else ""
+    # Profiled costs are seconds; given ones keep the unit they were given in.
+    time = _seconds if args.model is not None else (lambda t: f"{t:.4g}")
+    unit = "" if args.model is not None else _COST_UNITS
     print(f"balance: {balance}")
     start = 0
     for stage, size in enumerate(balance):
         line = (
             f"  stage {stage} (worker {schedule.worker_of(stage)}): layers {start}..{start + size - 1}, "
-            f"fwd {sum(fwd[start : start + size]):.4g}{unit}, bwd {sum(bwd[start : start + size]):.4g}{unit}"
+            f"fwd {time(sum(fwd[start : start + size]))}, bwd {time(sum(bwd[start : start + size]))}"
         )
         if acts is not None and params is not None:
             alive = peaks[schedule.worker_of(stage)]
@@ -287,10 +306,10 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     print(schedule)
     print()
-    busy = sum(fwd) + sum(bwd)
+    busy = (sum(fwd) + sum(bwd)) * args.chunks
     print(
-        f"predicted step: {timeline.makespan:.4g} (sequential {busy * args.microbatches:.4g}, "
-        f"speed-up {busy * args.microbatches / timeline.makespan:.3g}x)"
+        f"predicted step: {time(timeline.makespan)}{unit} (sequential {time(busy)}{unit}, "
+        f"speed-up {busy / timeline.makespan:.3g}x)"
     )
     print(f"predicted bubble: {timeline.bubble_fraction:.1%}")
     print("peak activations (micro-batches alive) per worker: " + ", ".join(str(p) for p in timeline.peak_activations))
@@ -301,14 +320,12 @@ def _plan_auto(args: argparse.Namespace, fwd: list[float], bwd: list[float], act
     """``--schedule auto``: the balance for ZB-H1, then the search's table on its stages and the choice."""
     from fastpipe.schedule.search import StageCosts, search
 
-    if args.virtual_stages != 1:
-        raise ValueError("--schedule auto picks the stages per worker itself; drop --virtual-stages")
     profiled = args.model is not None
     balance = plan(
         fwd,
         bwd,
-        args.partitions,
-        microbatches=args.microbatches,
+        args.stages,
+        microbatches=args.chunks,
         schedule="zb-h1",
         comm=args.comm,
         tolerance=MEASURED_TOLERANCE if profiled else 0.0,
@@ -325,21 +342,27 @@ def _plan_auto(args: argparse.Namespace, fwd: list[float], bwd: list[float], act
     costs = StageCosts.from_measured(
         per_stage(fwd), per_stage(bwd), activation, weight_share=args.weight_share, comm=args.comm
     )
-    choice = search(costs, len(balance), args.microbatches, args.memory_limit)
-    t = "s" if profiled else ""
+    choice = search(costs, len(balance), args.chunks, args.memory_limit)
+    # Profiled costs are seconds, shown in the unit of the chosen step; given ones keep theirs.
+    time_scale, time_unit = _time_unit(choice.chosen.time) if profiled else (1.0, _COST_UNITS.strip())
+    t = (lambda v: f"{v * time_scale:.4g} {time_unit}") if profiled else (lambda v: f"{v:.4g}")
     print(f"balance: {balance} (planned for zb-h1)")
     for stage, (f, b, w) in enumerate(zip(costs.forward, costs.backward, costs.weight)):
         memory = f", activation {costs.activation[stage] * scale:.4g}{unit}" if given is not None else ""
-        print(f"  stage {stage}: F {f:.4g}{t}, B {b:.4g}{t}, W {w:.4g}{t}{memory}")
+        print(f"  stage {stage}: F {t(f)}, B {t(b)}, W {t(w)}{memory}")
     if given is None:
         print("  (no --memory or --model: peak memory counts the micro-batches alive)")
     print()
-    print(f"schedules considered for {args.microbatches} micro-batches (time and bubble simulated, peak per worker):")
-    print(choice.table(unit, scale))
+    print(
+        f"schedules considered for {args.chunks} micro-batches on {args.stages} workers (time in {time_unit} and "
+        "bubble simulated, peak per worker):"
+    )
+    print(choice.table(unit, scale, time_scale=time_scale))
     print()
     print(choice.schedule)
     print()
-    print(f"predicted step: {choice.chosen.time:.4g}{t}, bubble {choice.chosen.bubble:.1%}")
+    shown = _seconds(choice.chosen.time) if profiled else f"{choice.chosen.time:.4g}{_COST_UNITS}"
+    print(f"predicted step: {shown}, bubble {choice.chosen.bubble:.1%}")
     return 0
 
 

@@ -145,7 +145,9 @@ class Candidate:
         virtual_stages: stages per worker.
         schedule: the built schedule; None when it does not apply (see ``skipped``).
         time: its simulated step time (``inf`` when skipped).
-        bubble: its simulated idle fraction.
+        bubble: its simulated idle share of one worker per stage: with ``v`` stages per worker the
+            schedule runs on ``1/v`` of them and leaves the others idle, so a V of 2 stages on one
+            worker, no faster than running them in sequence, is half idle.
         peak_memory: per worker, the most activation memory alive at once.
         fits: whether every worker's peak is within the memory limit.
         skipped: why it does not apply (a :class:`ScheduleError`'s message), else ``""``.
@@ -190,12 +192,13 @@ class Choice:
         assert self.chosen.schedule is not None  # a chosen candidate always ran
         return self.chosen.schedule
 
-    def table(self, memory_unit: str = "", memory_scale: float = 1.0) -> str:
+    def table(self, memory_unit: str = "", memory_scale: float = 1.0, *, time_scale: float = 1.0) -> str:
         """The candidates as a text table, the chosen one marked with ``*``.
 
         Args:
             memory_unit: a suffix for the peak-memory figures (e.g. ``" MiB"``).
             memory_scale: the factor from the costs' memory unit to that one (``2**-20`` from bytes to MiB).
+            time_scale: the factor from the costs' time unit to the one shown (``1e3`` from seconds to ms).
         """
         rows = [("", "schedule", "time", "bubble", "peak memory (max worker)", "")]
         for c in self.candidates:
@@ -205,7 +208,7 @@ class Choice:
                 continue
             note = "" if c.fits else "over memory_limit"
             peak = f"{max(c.peak_memory) * memory_scale:.4g}{memory_unit}"
-            rows.append((mark, c.label, f"{c.time:.4g}", f"{100 * c.bubble:.1f}%", peak, note))
+            rows.append((mark, c.label, f"{c.time * time_scale:.4g}", f"{100 * c.bubble:.1f}%", peak, note))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             "  ".join(cell.ljust(width) for cell, width in zip(r, widths)) + ("  " + r[5] if r[5] else "") for r in rows
@@ -222,7 +225,11 @@ def _run(name: str, virtual: int, schedule: Schedule, costs: StageCosts, limit: 
         timeline.record(w, str(action), start, end)
     peaks = tuple(peak_memory(schedule, costs.activation, times=times))
     fits = limit is None or max(peaks) <= limit * (1 + _REL_TOL)
-    return Candidate(name, virtual, schedule, timeline.makespan, timeline.bubble_fraction, peaks, fits)
+    # Over a worker per stage, as the candidates with one stage per worker use: the fewer
+    # workers of virtual stages would otherwise hide the ones they leave idle.
+    span = timeline.makespan
+    bubble = 1.0 - sum(timeline.busy) / (costs.num_stages * span) if span > 0 else 0.0
+    return Candidate(name, virtual, schedule, span, bubble, peaks, fits)
 
 
 def _named(costs: StageCosts, microbatches: int, names: Iterable[str], limit: float | None) -> list[Candidate]:

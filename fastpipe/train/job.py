@@ -18,14 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastpipe.auto_schedule import AUTO
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.pipe import Pipe
+from fastpipe.schedule.builders import placement_for
 from fastpipe.train.models import TrainModel, build_model
-from fastpipe.train.options import STEP_RUNNERS, StepRunner, TrainError, check_arguments
+from fastpipe.train.options import ASYNC, StepRunner, TrainError, check_arguments, step_runner, virtual_stages
 from fastpipe.train.ranks import Ranks
 from fastpipe.train.textdata import Corpus, load_corpus
 
-__all__ = ["Job", "build_job", "lr_at"]
+__all__ = ["Job", "build_job", "lr_at", "stage_workers"]
 
 
 def lr_at(step: int, peak: float, warmup: int) -> float:
@@ -59,8 +61,8 @@ class Job:
 
     @property
     def last(self) -> torch.device:
-        """Where the targets go: the last stage's device."""
-        return self.devices[(len(self.devices) - 1) % self.args.stages]
+        """Where the targets go: the last stage's device (worker 0's in a V)."""
+        return self.devices[-1]
 
     @property
     def tokens(self) -> int:
@@ -109,15 +111,24 @@ def _balance(layers: int, stages: int, tail: int = 1) -> list[int]:
     return counts
 
 
-def _placement(gpus: int, stages: int, virtual: int) -> tuple[list[torch.device], Callable[[], Any]]:
-    """Each pipeline stage's device, and the autocast the steps run under (bf16 on GPUs)."""
+def _placement(gpus: int, schedule: str, stages: int, virtual: int) -> tuple[list[torch.device], Callable[[], Any]]:
+    """Each pipeline stage's device, and the autocast the steps run under (bf16 on GPUs).
+
+    ``stages`` workers, one device each; the schedule places ``virtual`` stages on each: round
+    robin (stage s on worker s % stages), or in a V for zb-v and dualpipev (stages w and
+    2K-1-w on worker w).
+    """
     if gpus:
-        devices = [torch.device("cuda", i % gpus) for i in range(stages * virtual)]
+        workers = [torch.device("cuda", i % gpus) for i in range(stages)]
     else:
-        devices = [torch.device("cpu")] * (stages * virtual)
+        workers = [torch.device("cpu")] * stages
         torch.set_num_threads(1)  # one core per stage worker
-    # Interleaved: stage s runs on worker s % workers, so devices follow the workers.
-    return [devices[s % stages] for s in range(stages * virtual)], _autocast(devices[0])
+    return [workers[w] for w in stage_workers(schedule, stages, virtual)], _autocast(workers[0])
+
+
+def stage_workers(schedule: str, stages: int, virtual: int) -> tuple[int, ...]:
+    """The worker (torchrun: pipeline rank) of each pipeline stage under ``schedule``."""
+    return placement_for(schedule, stages * virtual, stages)
 
 
 def _autocast(device: torch.device) -> Callable[[], Any]:
@@ -134,11 +145,13 @@ def _settings(args: argparse.Namespace, model: dict[str, Any], streamed: bool) -
         "chunks": args.chunks,
         "stages": args.stages,
         "schedule": args.schedule,
-        "checkpoint": args.checkpoint,
+        "recompute": args.recompute,
         "seed": args.seed,
         "lr": args.lr,
         "warmup": args.warmup,
     }
+    if args.virtual_stages is not None:  # else the schedule's own, which the schedule says
+        settings["virtual_stages"] = args.virtual_stages
     if args.data_parallel > 1:  # the replicas' mean rounds otherwise than one batch's
         settings["data_parallel"] = args.data_parallel
     if streamed:
@@ -167,8 +180,14 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
             f"--data-parallel {args.data_parallel} needs a process per replica: launch with torchrun "
             f"--nproc-per-node <stages x {args.data_parallel}> -m fastpipe train ..."
         )
+    if ranks is not None and args.schedule == AUTO:
+        raise TrainError(
+            f"--schedule {AUTO} measures every stage in one process, and under torchrun each rank holds only its "
+            "own; pick a named --schedule there (fastpipe plan --schedule auto shows which is fastest)"
+        )
     args.stages = args.stages if args.stages is not None else (gpus or 2)
-    runner, virtual = STEP_RUNNERS.get(args.schedule, (None, 1))
+    virtual = virtual_stages(args.schedule, args.virtual_stages)
+    runner = None if args.schedule == ASYNC else step_runner(args.schedule, virtual)
     args.layers = args.layers if args.layers is not None else max(4, args.stages * virtual)
     check_arguments(args, args.layers, virtual)
     if args.batch % args.data_parallel or args.chunks > args.batch // args.data_parallel:
@@ -183,13 +202,13 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
     schedule = "1f1b" if runner is None else args.schedule
     pipe: Pipe | DistributedPipe
     if ranks is None:
-        devices, autocast = _placement(gpus, args.stages, virtual)
+        devices, autocast = _placement(gpus, schedule, args.stages, virtual)
         pipe = Pipe(
             model.layers,
             balance=balance,
             devices=devices,
             chunks=args.chunks,
-            checkpoint=args.checkpoint,
+            checkpoint=args.recompute,
             virtual_stages=virtual,
             schedule=schedule,
         )
@@ -201,7 +220,7 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
             balance,
             chunks=args.chunks,
             schedule=schedule,
-            checkpoint=args.checkpoint,
+            checkpoint=args.recompute,
             process_group=ranks.pipeline,
             dp_group=ranks.replicas_group,
             device=ranks.device,

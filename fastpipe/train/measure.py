@@ -16,12 +16,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fastpipe.asynchronous import FitRun
+from fastpipe.auto_schedule import AUTO
 from fastpipe.pipe import Pipe
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep
 from fastpipe.trace import Timeline
 from fastpipe.train.evaluate import evaluate, sample_text
-from fastpipe.train.job import Job
+from fastpipe.train.job import Job, stage_workers
 from fastpipe.train.loop import traced_window
 from fastpipe.train.meter import ActivationMeter
 from fastpipe.train.models import build_model
@@ -85,6 +86,9 @@ def profile(job: Job, fit_run: FitRun | None) -> Profile | None:
         with meter, job.autocast():
             job.runner(job.pipe, x, y, job.loss_fn, True)
         job.opt.zero_grad(set_to_none=True)
+        if args.schedule == AUTO:  # one process (refused under torchrun): the simulator prices the choice
+            choice = job.pipe.auto_schedule.choice
+            traced, simulated = f"one step of {AUTO} (chosen: {choice.chosen.label})", choice.schedule
         timeline = job.pipe.last_timeline
     assert timeline is not None
     share: dict[str, Any] = {
@@ -151,8 +155,9 @@ def evaluate_and_sample(job: Job) -> tuple[float, str, list[str], int] | None:
         layers.load_state_dict({k: v for share, _ in everyone[: ranks.stages] for k, v in share.items()})
         pipe = Pipe(layers, balance=[len(layers)], devices=[ranks.device], chunks=args.chunks)
         loss_fn, logits = job.model.make_loss(pipe), job.model.make_logits(pipe)
-        # Stage s runs on pipeline rank s % stages (interleaved: several stages per rank).
-        devices = [everyone[s % ranks.stages][1] for s in range(ranks.stages * job.virtual)]
+        # The schedule places each stage on a pipeline rank: round robin, or in a V.
+        placed = stage_workers("1f1b" if job.runner is None else args.schedule, ranks.stages, job.virtual)
+        devices = [everyone[r][1] for r in placed]
         first = last = ranks.device
     val_loss = evaluate(pipe, loss_fn, job.corpus, args, job.autocast, first, last, job.model.targets)
     sample = sample_text(pipe, logits, "def ", args.sample_chars, args.seq_len, args.seed)

@@ -3,59 +3,100 @@
 :func:`add_arguments` defines the flags (``fastpipe train`` and ``python -m
 fastpipe.train.run`` share them); :func:`check_arguments` rejects bad values with a
 :class:`TrainError` that says what to change, and fills in the defaults of
-``--consistency`` and ``--window`` for ``--schedule async``. :data:`STEP_RUNNERS` maps each
-synchronous schedule to how it runs one step.
+``--consistency`` and ``--window`` for ``--schedule async``. ``--schedule`` takes every
+schedule :class:`~fastpipe.Pipe` takes (:data:`SYNC_SCHEDULES`, one ``train_step`` per
+step, see :func:`step_runner`) and ``async``; :func:`virtual_stages` says how many stages
+each worker holds under it.
 """
 
 from __future__ import annotations
 
 import argparse
+from argparse import SUPPRESS
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES
+from fastpipe.auto_schedule import AUTO
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
+from fastpipe.schedule import SCHEDULES, ScheduleError, build
+from fastpipe.schedule.builders import STAGES_PER_WORKER
 from fastpipe.train.models import HF_MODELS, MODELS, check_model
 
 __all__ = [
     "ASYNC",
     "CURVE_KEYS",
     "DEFAULT_CONSISTENCY",
+    "DEFAULT_VIRTUAL_STAGES",
     "DEFAULT_WINDOW",
     "RESUME_AUTO",
-    "STEP_RUNNERS",
+    "SYNC_SCHEDULES",
     "StepRunner",
     "TrainError",
     "add_arguments",
     "check_arguments",
+    "saved_settings",
+    "step_runner",
+    "virtual_stages",
 ]
 
 # (pipe, x, y, loss_fn, trace) -> loss; pipe: a Pipe, or a DistributedPipe whose x or y may be None
 StepRunner = Callable[..., Tensor]
 
 
-def _train_step(name: str, virtual_stages: int = 1) -> StepRunner:
-    def step(pipe: Pipe, x: Tensor, y: Tensor, loss_fn: Any, trace: bool) -> Tensor:
-        return pipe.train_step(x, y, loss_fn, schedule=name, virtual_stages=virtual_stages, trace=trace)
-
-    return step
-
-
-# How each synchronous --schedule runs one step, and its stages per worker. The
-# asynchronous schedule (ASYNC) is not a step: fastpipe.asynchronous.fit owns the optimizer
-# step and yields one loss per mini-batch (see fastpipe.train.loop).
-STEP_RUNNERS: dict[str, tuple[StepRunner, int]] = {
-    "gpipe": (_train_step("gpipe"), 1),
-    "1f1b": (_train_step("1f1b"), 1),
-    "interleaved": (_train_step("interleaved", 2), 2),
-    "zb-h1": (_train_step("zb-h1"), 1),
-}
 ASYNC = "async"  # XPipe-style streams of mini-batches without a flush, in windows
 DEFAULT_CONSISTENCY = "predict"
 DEFAULT_WINDOW = 10
 RESUME_AUTO = "auto"
+
+# Every schedule Pipe.train_step runs, one step at a time; "auto" measures the stages at the
+# first step and runs the search's choice. The asynchronous schedule (ASYNC) is not a step:
+# fastpipe.asynchronous.fit owns the optimizer step and yields one loss per mini-batch (see
+# fastpipe.train.loop).
+SYNC_SCHEDULES = (*SCHEDULES, AUTO)
+#: Stages per worker of each --schedule without --virtual-stages (1 where not named).
+DEFAULT_VIRTUAL_STAGES = {**STAGES_PER_WORKER, "interleaved": 2}
+
+
+def step_runner(schedule: str, virtual: int) -> StepRunner:
+    """How one step of the synchronous ``schedule`` runs, ``virtual`` stages to a worker."""
+
+    def step(pipe: Pipe, x: Tensor, y: Tensor, loss_fn: Any, trace: bool) -> Tensor:
+        return pipe.train_step(x, y, loss_fn, schedule=schedule, virtual_stages=virtual, trace=trace)
+
+    return step
+
+
+def virtual_stages(schedule: str, asked: int | None) -> int:
+    """Pipeline stages per worker under ``--schedule``: ``--virtual-stages``, else the schedule's own.
+
+    ``fastpipe train`` and ``fastpipe plan`` both take these two flags.
+
+    Raises:
+        TrainError: ``--virtual-stages`` that the schedule cannot take.
+    """
+    own = DEFAULT_VIRTUAL_STAGES.get(schedule, 1)
+    if asked is None:
+        return own
+    if asked < 1:
+        raise TrainError(f"--virtual-stages must be >= 1 (stages per worker), got {asked}")
+    if asked == own or schedule == "interleaved":
+        return int(asked)
+    if schedule in STAGES_PER_WORKER:
+        raise TrainError(
+            f"--schedule {schedule} places {own} stages on each worker in a V (stages w and 2K-1-w on "
+            f"worker w); drop --virtual-stages {asked} or pass {own}"
+        )
+    if schedule == AUTO:
+        raise TrainError(f"--schedule {AUTO} picks the stages per worker itself; drop --virtual-stages {asked}")
+    holds = "streams a 1F1B order with one stage per worker" if schedule == ASYNC else "runs one stage per worker"
+    raise TrainError(
+        f"--schedule {schedule} {holds}; --virtual-stages {asked} needs --schedule interleaved "
+        f"(any number), zb-v or dualpipev (2)"
+    )
+
 
 # Settings that change the loss curve: a resumed run must keep them.
 CURVE_KEYS = (
@@ -64,7 +105,8 @@ CURVE_KEYS = (
     "chunks",
     "stages",
     "schedule",
-    "checkpoint",
+    "virtual_stages",
+    "recompute",
     "seed",
     "lr",
     "warmup",
@@ -76,6 +118,16 @@ CURVE_KEYS = (
 
 class TrainError(ValueError):
     """A flag combination that cannot run; the message says what to change."""
+
+
+def saved_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A save's settings under this module's keys, to compare with a resumed run's.
+
+    A record may name the recomputation mode ``checkpoint``, as ``Pipe`` does, for ``recompute``.
+    """
+    if "recompute" not in settings and "checkpoint" in settings:
+        return {**settings, "recompute": settings["checkpoint"]}
+    return settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,9 +142,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        choices=[*STEP_RUNNERS, ASYNC],
-        help=f"pipeline schedule; {ASYNC}: mini-batches stream without a flush and each stage updates "
+        choices=[*SYNC_SCHEDULES, ASYNC],
+        help=f"pipeline schedule, as Pipe takes it; zb-v and dualpipev hold 2 stages per worker in a V, "
+        f"interleaved 2 (or --virtual-stages); {AUTO}: the fastest schedule simulated on the stages' costs, "
+        f"measured at the first step; {ASYNC}: mini-batches stream without a flush and each stage updates "
         "its weights as soon as it has its gradient (XPipe), through fastpipe.asynchronous.fit",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="pipeline stages per worker (the model is cut into --stages x V stages): any V >= 1 with "
+        "--schedule interleaved (default 2); zb-v and dualpipev take 2; the others 1",
     )
     p.add_argument(
         "--consistency",
@@ -122,11 +184,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step (per replica)")
     p.add_argument(
-        "--checkpoint",
+        "--recompute",
         default="never",
         choices=CHECKPOINT_MODES,
-        help="recompute activations in backward instead of keeping them",
+        help="recompute activations in backward instead of keeping them (Pipe's checkpoint=): for every "
+        "micro-batch, all but the last, or none",
     )
+    # Pipe calls recomputation checkpoint=, as torchgpipe does; --save/--resume are checkpoint files.
+    p.add_argument("--checkpoint", dest="recompute", choices=CHECKPOINT_MODES, default=SUPPRESS, help=SUPPRESS)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run stops here too)")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
@@ -177,14 +242,22 @@ def check_arguments(args: argparse.Namespace, layers: int, virtual: int) -> None
         )
     if args.stages * virtual > layers:
         raise TrainError(
-            f"--stages {args.stages} with schedule {args.schedule!r} needs {args.stages * virtual} "
-            f"pipeline stages but the model has {layers} transformer blocks; raise --layers to at least "
-            f"{args.stages * virtual} or lower --stages"
+            f"--stages {args.stages} with --schedule {args.schedule} ({virtual} stages per worker) needs "
+            f"{args.stages * virtual} pipeline stages but the model has {layers} transformer blocks; raise "
+            f"--layers to at least {args.stages * virtual} or lower --stages"
         )
     if args.schedule == "interleaved" and args.chunks % args.stages:
         raise TrainError(
             f"--schedule interleaved needs --chunks to be a multiple of --stages ({args.stages}); got {args.chunks}"
         )
+    if args.schedule in SCHEDULES:
+        try:
+            build(args.schedule, args.stages, args.chunks, virtual_stages=virtual)
+        except ScheduleError as exc:
+            raise TrainError(
+                f"--schedule {args.schedule} cannot run --stages {args.stages} workers with --chunks "
+                f"{args.chunks} micro-batches ({exc}); raise --chunks or lower --stages"
+            ) from None
     if args.dim % args.heads:
         raise TrainError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if not 0.0 <= args.dropout < 1.0:
@@ -204,7 +277,7 @@ def check_arguments(args: argparse.Namespace, layers: int, virtual: int) -> None
         raise TrainError(
             f"--model {args.model} ties its embedding across the first and the last stage, and --schedule "
             f"{ASYNC} steps each stage's optimizer on its own, so it cannot keep the tie; pick a synchronous "
-            "--schedule (1f1b, gpipe, interleaved, zb-h1)"
+            f"--schedule ({', '.join(SYNC_SCHEDULES)})"
         )
     _check_async(args)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -35,17 +34,13 @@ from fastpipe.asynchronous import FitRun, fit
 from fastpipe.train.job import Job, build_job, lr_at
 from fastpipe.train.loop import fit_losses, step_scheduler, sync_losses
 from fastpipe.train.measure import evaluate_and_sample, profile
-from fastpipe.train.options import CURVE_KEYS, RESUME_AUTO, TrainError, add_arguments
+from fastpipe.train.options import CURVE_KEYS, RESUME_AUTO, TrainError, add_arguments, saved_settings
 from fastpipe.train.ranks import Ranks, join, launched_by_torchrun, leave
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, has_run, load_run, save_run
 from fastpipe.train.textdata import unigram_entropy
 
-__all__ = ["KILL_AT_STEP", "lr_at", "main", "run"]
-
-# Test-only: the rank FASTPIPE_TEST_KILL_RANK (default: the last) SIGKILLs itself when it is
-# about to run step k + 1, once: a marker file in --out keeps a restarted run from dying again.
-KILL_AT_STEP = "FASTPIPE_TEST_KILL_AT_STEP"
+__all__ = ["lr_at", "main", "run"]
 
 
 def _start(job: Job) -> tuple[list[float], int]:
@@ -56,7 +51,7 @@ def _start(job: Job) -> tuple[list[float], int]:
     if not folder or (args.resume == RESUME_AUTO and not has_run(folder)):
         return [], 0
     record = load_run(folder, job.pipe, job.opt)
-    check_compatible(record["settings"], job.settings, CURVE_KEYS)
+    check_compatible(saved_settings(record["settings"]), job.settings, CURVE_KEYS)
     start_step = int(record["step"])
     if start_step > args.steps:
         raise TrainError(f"--resume {folder} is at step {start_step}, past --steps {args.steps}")
@@ -91,24 +86,6 @@ def _over_replicas(job: Job, losses: Iterator[Tensor]) -> Iterator[Tensor]:
     return (ranks.mean_over_replicas(loss) for loss in losses)
 
 
-def _kill_if_asked(job: Job, step: int) -> None:
-    """Dies by SIGKILL before running ``step`` if :data:`KILL_AT_STEP` asks for it (tests only)."""
-    at = os.environ.get(KILL_AT_STEP)
-    if at is None or int(at) != step:
-        return
-    world = job.ranks.world if job.ranks is not None else 1
-    rank = job.ranks.rank if job.ranks is not None else 0
-    if rank != int(os.environ.get("FASTPIPE_TEST_KILL_RANK", world - 1)):
-        return
-    marker = os.path.join(job.args.out, f".killed-at-step-{step}")
-    if os.path.exists(marker):
-        return
-    os.makedirs(job.args.out, exist_ok=True)
-    with open(marker, "w") as f:
-        f.write(f"rank {rank}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _train(job: Job, history: list[float], start: int) -> tuple[float | None, FitRun | None]:
     """Trains from step ``start`` to ``--steps``, appending each loss to ``history`` and saving as asked.
 
@@ -134,7 +111,6 @@ def _train(job: Job, history: list[float], start: int) -> tuple[float | None, Fi
     )
     timed, timed_steps = 0.0, 0
     for step in bar:
-        _kill_if_asked(job, step)
         t0 = time.perf_counter()
         value = float(next(losses))
         elapsed = time.perf_counter() - t0

@@ -41,7 +41,7 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     "command, shown",
     [
-        ("plan", ["pipeline schedule the plan is for (default: gpipe)", "(default: float32)"]),
+        ("plan", ["as fastpipe train and Pipe take it (default: 1f1b)", "(default: float32)"]),
         ("train", ["(default: 1f1b)", "(default: fastpipe-train)", "(default: 300)", "(default: 0.0)"]),
         ("bench", ["(default: fastpipe-bench)"]),
     ],
@@ -72,9 +72,9 @@ def test_no_command_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "argv, missing",
     [
-        ([], ["the layers' costs (--costs", "--partitions K", "--microbatches M"]),
-        (["--costs", "1,2,3,4", "--microbatches", "8"], ["--partitions K (the pipeline workers to balance the layers"]),
-        (["--costs", "1,2,3,4", "--partitions", "2"], ["--microbatches M"]),
+        ([], ["the layers' costs (--costs", "--stages K", "--chunks M"]),
+        (["--costs", "1,2,3,4", "--chunks", "8"], ["--stages K (the pipeline workers to balance the layers"]),
+        (["--costs", "1,2,3,4", "--stages", "2"], ["--chunks M"]),
     ],
 )
 def test_plan_says_what_the_balance_needs(
@@ -84,7 +84,7 @@ def test_plan_says_what_the_balance_needs(
     err = capsys.readouterr().err
     for fragment in missing:
         assert fragment in err
-    assert "Example: fastpipe plan --costs 1,2,3,4 --partitions 2 --microbatches 8" in err
+    assert "Example: fastpipe plan --costs 1,2,3,4 --stages 2 --chunks 8" in err
     assert "the following arguments are required" not in err
 
 
@@ -104,9 +104,9 @@ def test_plan_imports_a_model_module_from_the_current_directory(tmp_path: Path) 
         "fastpipe_cwd_models:build",
         "--sample-shape",
         "16,8",
-        "--partitions",
+        "--stages",
         "2",
-        "--microbatches",
+        "--chunks",
         "2",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

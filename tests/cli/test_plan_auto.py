@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fastpipe import cli
+from fastpipe.schedule.search import StageCosts, search
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -18,9 +21,9 @@ def test_plan_auto_prints_every_candidate_and_the_choice(capsys: pytest.CaptureF
         capsys,
         "--costs",
         "1,2,3,4,1,1,2,2",
-        "--partitions",
+        "--stages",
         "4",
-        "--microbatches",
+        "--chunks",
         "8",
         "--schedule",
         "auto",
@@ -42,11 +45,11 @@ def test_plan_auto_prints_every_candidate_and_the_choice(capsys: pytest.CaptureF
         "26.9%",
     ]
     assert "zb-h2: 4 workers, 4 stages, 8 micro-batches" in out and "0W7" in out
-    assert "predicted step: 131.3, bubble 26.9%" in out
+    assert "predicted step: 131.3 cost units, bubble 26.9%" in out
 
 
 def test_plan_auto_under_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ("--costs", "1,2,3,4", "--partitions", "2", "--microbatches", "8", "--schedule", "auto")
+    argv = ("--costs", "1,2,3,4", "--stages", "2", "--chunks", "8", "--schedule", "auto")
     status, out, _ = _plan(capsys, *argv, "--memory-limit", "2")
     assert status == 0
     assert "chosen: zb-h1 (memory_limit: 2)" in out
@@ -63,16 +66,21 @@ def test_plan_auto_profiles_a_model(capsys: pytest.CaptureFixture[str]) -> None:
         "_cli_model:build",
         "--sample-shape",
         "32,16",
-        "--partitions",
+        "--stages",
         "2",
-        "--microbatches",
+        "--chunks",
         "4",
         "--schedule",
         "auto",
     )
     assert status == 0
-    assert "activation" in out and "MiB" in out and "s, B " in out
-    assert "chosen: " in out and "predicted step: " in out
+    assert "activation" in out and "MiB" in out
+    # Seconds, shown in the unit of the chosen step (the table's header names it).
+    unit = re.search(r"predicted step: [0-9.]+ (s|ms|µs), bubble", out)
+    assert unit is not None, out
+    assert f"(time in {unit.group(1)} and bubble simulated" in out
+    assert re.search(r"stage 0: F [0-9.]+ (s|ms|µs), B [0-9.]+ (s|ms|µs), W [0-9.]+ (s|ms|µs)", out), out
+    assert "chosen: " in out
 
 
 @pytest.mark.parametrize(
@@ -86,8 +94,23 @@ def test_plan_auto_profiles_a_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_auto_refuses_bad_arguments(
     extra: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status, _, err = _plan(
-        capsys, "--costs", "1,1,1,1", "--partitions", "2", "--microbatches", "4", "--schedule", "auto", *extra
-    )
+    status, _, err = _plan(capsys, "--costs", "1,1,1,1", "--stages", "2", "--chunks", "4", "--schedule", "auto", *extra)
     assert status == 2
     assert message in err
+
+
+def test_plan_auto_bubble_counts_the_workers_that_virtual_stages_leave_idle(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 2 stages: a V (or interleaved v=2) puts both on one worker, as slow as running them in
+    # sequence; the other worker idles the whole step.
+    status, out, _ = _plan(capsys, "--costs", "1,2,3,4", "--stages", "2", "--chunks", "8", "--schedule", "auto")
+    assert status == 0
+    sequential = 8 * (1 + 2 + 3 + 4) * 3
+    for name in ("interleaved v=2", "zb-v v=2", "dualpipev v=2"):
+        row = next(line for line in out.splitlines() if f" {name} " in line)
+        assert row.split()[2:4] == [f"{sequential}", "50.0%"], row
+    choice = search(StageCosts.uniform(4, forward=1.0, backward=1.0, weight=1.0), 4, 8)
+    for c in choice.candidates:
+        if c.schedule is not None:  # busy time over one worker per stage and the whole step
+            assert c.bubble == pytest.approx(1 - 4 * 8 * 3 / (4 * c.time))

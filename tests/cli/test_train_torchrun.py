@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +23,6 @@ from test_train_cli import TINY
 
 from fastpipe.cli import main
 from fastpipe.train.ranks import join, launched_by_torchrun
-from fastpipe.train.run import KILL_AT_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,16 +35,21 @@ def _threads() -> Iterator[None]:
 
 
 def _torchrun(
-    out: Path, *flags: str, ranks: int = 2, restarts: int = 0, env: dict[str, str] | None = None
+    out: Path, *flags: str, ranks: int = 2, restarts: int = 0, kill: tuple[int, int] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone -m fastpipe train`` with this tree's fastpipe, under a hard timeout."""
+    """``torchrun --standalone -m fastpipe train`` with this tree's fastpipe, under a hard timeout.
+
+    ``kill=(step, rank)``: rank ``rank`` SIGKILLs itself once, before step index ``step``
+    (``tests/_kill_in_train.py``).
+    """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     if restarts:
         launcher += ["--max-restarts", str(restarts)]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), **(env or {}))
+    entry = ["-m", "fastpipe"] if kill is None else [str(ROOT / "tests" / "_kill_in_train.py"), *map(str, kill)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
     full_env.pop("FASTPIPE_P2P", None)
     proc = subprocess.run(
-        [*launcher, "-m", "fastpipe", "train", *TINY, "--out", str(out), *flags],
+        [*launcher, *entry, "train", *TINY, "--out", str(out), *flags],
         env=full_env,
         capture_output=True,
         text=True,
@@ -134,6 +139,20 @@ def test_torchrun_1f1b_equals_one_process(tmp_path: Path) -> None:
     assert proc.stdout.count("fastpipe train:") == 1  # only rank 0 reports
 
 
+def test_torchrun_zb_v_holds_the_v_and_equals_one_process(tmp_path: Path) -> None:
+    # 4 stages on 2 ranks: rank 0 holds the first and the last (the V), so it reads both x and y.
+    flags = ["--steps", "2", "--layers", "4", "--chunks", "4", "--schedule", "zb-v"]
+    two = tmp_path / "two"
+    _torchrun(two, *flags)
+    ranks = json.loads((two / "report.json").read_text())
+    one = _one_process(tmp_path / "one", *flags)
+    assert ranks["history"] == one["history"]  # bitwise: the same arithmetic on each stage
+    assert ranks["devices"] == ["cpu"] * 4 and ranks["bubble"]["timeline"] == "one step of zb-v"
+    events = json.loads((two / "trace.json").read_text())["traceEvents"]
+    held = {(int(re.match(r"\d+", e["name"]).group()), e["tid"]) for e in events if e.get("ph") == "X"}  # type: ignore[union-attr]
+    assert held == {(0, 0), (3, 0), (1, 1), (2, 1)}
+
+
 @pytest.mark.parametrize(
     "schedule, kill_rank",
     [
@@ -147,9 +166,7 @@ def test_torchrun_restart_resumes_bit_for_bit(tmp_path: Path, schedule: list[str
     # --resume auto continues from step 2. Dropout on, so the RNG streams must continue too.
     flags = ["--steps", "6", "--dropout", "0.1", "--save-every", "2", "--resume", "auto", *schedule]
     ckpt, out = tmp_path / "ckpt", tmp_path / "two"
-    _torchrun(
-        out, *flags, "--save", str(ckpt), restarts=2, env={KILL_AT_STEP: "3", "FASTPIPE_TEST_KILL_RANK": kill_rank}
-    )
+    _torchrun(out, *flags, "--save", str(ckpt), restarts=2, kill=(3, int(kill_rank)))
     assert (out / ".killed-at-step-3").read_text() == f"rank {kill_rank}\n"  # it died once
     resumed = json.loads((out / "report.json").read_text())
     assert resumed["start_step"] == 2  # the restarted group continued from the newest save
