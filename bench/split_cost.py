@@ -10,7 +10,7 @@ the step runner does (``fastpipe.runtime.step``), timing the backwards only:
   (``DeferringLinear``), B computing ``dx`` and the vector parameters' gradients (LayerNorm),
   W adding each ``dyᵀ x`` into the running sum;
 * ``B+W walk``: B then W with every parameter left to the graph walk (the path when
-  ``FASTPIPE_FUSED_WGRAD=0``).
+  ``fused_wgrad=False``).
 
 Each W runs right after its B here; the order of methods rotates per round, and each ratio is the
 median over rounds of two methods' times in the same round (paired).

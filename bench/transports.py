@@ -1,6 +1,6 @@
 """What NCCL's ordering discipline costs: the order-matched transport against the tag-matched one.
 
-Both transports run on gloo here (``FASTPIPE_P2P=ordered`` forces the one NCCL groups use),
+Both transports run on gloo here (``p2p="ordered"`` forces the one NCCL groups use),
 inside the same two rank processes: each rank builds one ``DistributedPipe`` per transport
 and alternates their steps, so machine drift hits both alike. Reported per schedule: the
 median step time of each and the median of the per-round ratios ordered / tags.
@@ -46,9 +46,8 @@ def _rank(rank: int, rounds: int, port: int, out: str) -> None:
     for schedule in SCHEDULES:
         pipes = {}
         for transport in ("tags", "ordered"):
-            os.environ["FASTPIPE_P2P"] = transport
             pipes[transport] = DistributedPipe(
-                make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never"
+                make_model(), [4, 4], chunks=CHUNKS, schedule=schedule, checkpoint="never", p2p=transport
             )
         times: dict[str, list[float]] = {t: [] for t in pipes}
         for i in range(rounds + 2):

@@ -3,7 +3,7 @@
 W adds ``dyᵀ x`` into each Linear's running weight gradient with ``addmm_``. For the reference
 workload's Linears (2048x512 and 512x2048, 32-row micro-batches) that GEMM reads and writes the
 whole running sum for 32 rows of arithmetic. Stacking the rows of several micro-batches into one
-GEMM (``FASTPIPE_WGRAD_BATCH``, :class:`fastpipe.runtime.wgrad.CarriedRecords`) touches the sum once
+GEMM (the pipe's ``wgrad_batch``, :class:`fastpipe.runtime.wgrad.CarriedRecords`) touches the sum once
 for all of them. This script times ``addmm_`` into 8 running sums in turn (so that they do not stay
 in cache, as in a stage), one thread, per micro-batch, for 1, 2, 4 and 8 micro-batches stacked.
 

@@ -38,6 +38,7 @@ from fastpipe.microbatch import Value
 from fastpipe.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.runtime.backend import backend_for
 from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
+from fastpipe.runtime.options import P2P, RuntimeOptions
 from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.runtime.ranks import check_same_settings, gather_objects, pipeline_groups
@@ -86,6 +87,10 @@ class DistributedPipe(nn.Module):
             accumulated and the non-finite loss is returned.
         free_others: release the layers of other ranks' stages in ``module``.
         bucket_bytes: size of one data-parallel (or tied-weight) gradient all-reduce bucket.
+        p2p: how payloads are matched between ranks: ``"tags"`` (gloo only) or ``"ordered"`` (what NCCL
+            needs, also on gloo); default ordered on NCCL, tags elsewhere. Every rank must match the same way.
+        fused_wgrad, wgrad_batch, tune_malloc: as for :class:`fastpipe.Pipe`. Where one of these four is
+            None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
 
     A tensor that layers on several stages use (an embedding tied to the head) is found in
     ``module``. Each rank that uses it holds its own under the Sequential's name of its first
@@ -113,6 +118,10 @@ class DistributedPipe(nn.Module):
         on_nan: Literal["raise", "skip"] = "raise",
         free_others: bool = True,
         bucket_bytes: int = 25 << 20,
+        p2p: P2P | None = None,
+        fused_wgrad: bool | None = None,
+        wgrad_batch: int | None = None,
+        tune_malloc: bool | None = None,
         _stage_modules: dict[int, nn.Sequential] | None = None,
         _ties: Sequence[Sequence[str]] = (),
     ) -> None:
@@ -126,6 +135,9 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
         check_checkpoint(checkpoint)
+        opts = RuntimeOptions.resolve(
+            p2p=p2p, fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc
+        )
         group, dp = pipeline_groups(process_group, mesh, dp_group)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         balance = list(balance)
@@ -160,10 +172,10 @@ class DistributedPipe(nn.Module):
         self.last_timeline: Timeline | None = None
         for name, layer in built.layers:  # each tied tensor once: the Sequential's keys
             self.add_module(name, layer)
-        stages = {s: Stage(p, self.device, clone_input=first_layer_in_place(p)) for s, p in built.stages.items()}
+        stages = {s: Stage(p, self.device, first_layer_in_place(p), opts) for s, p in built.stages.items()}
         self._stages = stages
         kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
-        self._runtime = DistributedRuntime(stages, len(balance), **kw)
+        self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
         settings = {
             "balance": balance,
             "chunks": chunks,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "first_layer_in_place",
     "check_input",
     "refuse_device_move",
+    "warn_unpipelined",
 ]
 
 Device = str | int | torch.device
@@ -325,3 +327,14 @@ def stage_devices(devices: Sequence[Any] | None, stages: int, schedule: object, 
     placement = v_shape(workers) if key in STAGES_PER_WORKER else round_robin(stages, workers)
     per_worker = list(devices)
     return [per_worker[w] for w in placement]
+
+
+def warn_unpipelined(chunks: int, stages: int, workers: int) -> None:
+    """Warn that ``chunks=1`` on several workers runs the stages one after another, never at once."""
+    if chunks == 1 and workers > 1:
+        warnings.warn(
+            f"fastpipe: chunks=1 sends the whole mini-batch through the {stages} stages one after another, so "
+            f"one stage works at a time; pass chunks=M micro-batches to overlap them, e.g. chunks={4 * stages} "
+            "(4 per stage: the bubble is (K-1)/(M+K-1) of a step for K stages)",
+            stacklevel=3,
+        )

@@ -27,9 +27,11 @@ from fastpipe.partition import (
     refuse_device_move,
     resolve_devices,
     stage_devices,
+    warn_unpipelined,
 )
 from fastpipe.rng import draw_step_seed
 from fastpipe.runtime.autograd_node import NodeRun, PipelineNode
+from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.threads import LocalRuntime
@@ -73,16 +75,14 @@ class Pipe(nn.Module):
         balance: number of layers per stage, summing to ``len(module)``.
         devices: one device per stage (may repeat), or one per worker with ``virtual_stages`` > 1.
             ``None``: one visible GPU per stage, or CPU for every stage when there is no GPU.
-        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a
-            smaller last micro-batch; a batch that yields fewer micro-batches runs with
-            fewer, with a one-time warning. The default, 1, does not pipeline: pass the
-            number of micro-batches (at least the number of stages) to overlap the stages.
+        chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a smaller last micro-batch;
+            one that yields fewer runs with fewer, warned once. The default, 1, does not pipeline (it warns
+            with several workers): pass the number of micro-batches, at least the number of stages.
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last are
             recomputed in backward) or ``"never"``. There is no recomputation in ``eval()``.
             Recomputation replays dropout bit for bit: every (stage, micro-batch) draws from
             its own generator, seeded once per step from the caller's generator.
-        deferred_batch_norm: replace BatchNorm layers with :class:`DeferredBatchNorm`, whose
-            running statistics equal one pass over the whole mini-batch.
+        deferred_batch_norm: BatchNorm layers become :class:`DeferredBatchNorm` (statistics of the whole mini-batch).
         trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
             backward). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks one from measured costs (``auto_schedule``).
@@ -93,6 +93,10 @@ class Pipe(nn.Module):
         memory_limit: with ``balance="auto"``: the most bytes (activations in flight plus
             parameters, gradients and optimizer state) one stage may need.
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
+        fused_wgrad: sum plain ``nn.Linear`` weight gradients inside their GEMM (default True).
+        wgrad_batch: micro-batches per GEMM of deferred Linear weight gradients (default 2 on CPU, 1 on GPU).
+        tune_malloc: on CPU stages, keep freed activations in the process for reuse (default True). Where
+            one of these three is None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
         process_group, mesh: refused: :class:`fastpipe.DistributedPipe` runs one stage per process (``torchrun``).
 
     Raises:
@@ -119,6 +123,9 @@ class Pipe(nn.Module):
         sample: Value | None = None,
         memory_limit: float | None = None,
         sample_side_inputs: Mapping[str, Any] | None = None,
+        fused_wgrad: bool | None = None,
+        wgrad_batch: int | None = None,
+        tune_malloc: bool | None = None,
         process_group: Any = None,
         mesh: Any = None,
     ) -> None:
@@ -135,6 +142,7 @@ class Pipe(nn.Module):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         check_chunks(chunks)
         check_checkpoint(checkpoint)
+        options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc)
         balance = resolve_balance(  # type: ignore[assignment]
             module,
             balance,
@@ -149,6 +157,7 @@ class Pipe(nn.Module):
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
         self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages)
+        warn_unpipelined(chunks, len(balance), len(balance) // virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
@@ -168,9 +177,9 @@ class Pipe(nn.Module):
         stage_modules, ties = split_tied(module, balance)
         for stage, device in zip(stage_modules, device_list):
             stage.to(device)
-        self._stages = [Stage(m, d, clone_input=first_layer_in_place(m)) for m, d in zip(stage_modules, device_list)]
+        self._stages = [Stage(m, d, first_layer_in_place(m), options) for m, d in zip(stage_modules, device_list)]
         self._ties = TiedWeights(ties, [s.params for s in self._stages])
-        self._runtime = LocalRuntime(self._stages, recorder=None)
+        self._runtime = LocalRuntime(self._stages, tune_malloc=options.tune_malloc)
         weakref.finalize(self, self._runtime.close)
 
     # -- nn.Module surface --------------------------------------------------------------
@@ -364,17 +373,8 @@ class Pipe(nn.Module):
             window: mini-batches between drains.
             trace: record each window's timeline in ``last_timeline``.
         """
-        return FitRun(
-            self,
-            batches,
-            loss_fn,
-            optimizer,
-            consistency=consistency,
-            scheduler=scheduler,
-            max_grad_norm=max_grad_norm,
-            window=window,
-            trace=trace,
-        )
+        kw: dict[str, Any] = {"scheduler": scheduler, "max_grad_norm": max_grad_norm, "window": window, "trace": trace}
+        return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, **kw)
 
     # -- what fit and tools read --------------------------------------------------------
 

@@ -30,6 +30,7 @@ from fastpipe.microbatch import Value
 from fastpipe.runtime.backend import abort_nccl, require_backend
 from fastpipe.runtime.dp_reduce import Bucket, finish_reduce, start_reduce
 from fastpipe.runtime.host_alloc import tune_host_allocator
+from fastpipe.runtime.options import P2P
 from fastpipe.runtime.p2p import P2PTransport
 from fastpipe.runtime.p2p_ordered import OrderedTransport
 from fastpipe.runtime.ranks import check_nccl_device, check_rank_stages, check_same_transport, order_matched
@@ -79,6 +80,8 @@ class DistributedRuntime:
         store: the store for the abort side channel (default: the default group's store).
         bucket_bytes: size of one gradient all-reduce bucket.
         recorder: optional ``(worker, action_text, start_s, end_s)`` callback.
+        p2p: ``"tags"``, ``"ordered"`` or None (ordered on NCCL, tags elsewhere): see :func:`order_matched`.
+        tune_malloc: tune glibc's allocator for CPU stages (:mod:`fastpipe.runtime.host_alloc`).
     """
 
     def __init__(
@@ -93,6 +96,8 @@ class DistributedRuntime:
         bucket_bytes: int = 25 << 20,
         recorder: Recorder | None = None,
         placement: Sequence[int] | None = None,
+        p2p: P2P | None = None,
+        tune_malloc: bool = True,
     ) -> None:
         self.group: Any = group if group is not None else dist.group.WORLD
         self.dp_group: Any = dp_group
@@ -101,13 +106,13 @@ class DistributedRuntime:
         self.num_stages = num_stages
         self.placement = check_rank_stages(placement, num_stages, self.size, self.rank, stages)
         self.stages = dict(stages)
-        if any(st.device.type == "cpu" for st in self.stages.values()):
+        if tune_malloc and any(st.device.type == "cpu" for st in self.stages.values()):
             tune_host_allocator()  # see fastpipe.runtime.host_alloc: page faults per step otherwise
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
         # The backend that moves this stage's tensors ("cpu:gloo,cuda:nccl" groups, and
         # init_process_group() without backend=, which reports "undefined").
         backend = require_backend(self.group, device)
-        self.ordered = order_matched(backend)
+        self.ordered = order_matched(backend, p2p)
         if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
             check_nccl_device(device)
         if store is None:

@@ -14,14 +14,15 @@ and the system time drop to about zero. Memory freed by the model is kept for re
 (up to the trim threshold), as a caching allocator does.
 
 It is process-wide, applies to glibc only, and must run before worker threads first
-allocate. Set ``FASTPIPE_TUNE_MALLOC=0`` to leave the allocator alone.
+allocate. The runtimes apply it for CPU stages unless built with ``tune_malloc=False``
+(:mod:`fastpipe.runtime.options`); such a pipe leaves the allocator as it finds it, and
+cannot undo settings that another pipe of the process applied.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import platform
 import threading
 
@@ -41,8 +42,6 @@ def tune_host_allocator() -> bool:
         if _state is not None:
             return _state
         _state = False
-        if os.environ.get("FASTPIPE_TUNE_MALLOC", "1") == "0":
-            return False
         if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
             return False
         try:

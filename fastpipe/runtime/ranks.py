@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpipe.errors import PipelineError
 from fastpipe.runtime.watchdog import bounded_barrier
 from fastpipe.schedule.placement import placement_problem, round_robin
 
@@ -69,7 +70,26 @@ def check_same_settings(settings: dict[str, Any], group: Any, what: str, timeout
 
 
 def pipeline_groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, Any]:
-    """The pipeline group and the data-parallel group (or None), from groups or a 2-D ``DeviceMesh``."""
+    """The pipeline group and the data-parallel group (or None), from groups or a 2-D ``DeviceMesh``.
+
+    Raises:
+        PipelineError: no process group is initialised; the message says how to launch the ranks.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        by_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun sets both on every rank
+        launch = (
+            "torchrun started this process, but"
+            if by_torchrun
+            else (
+                "start every rank with `torchrun --nproc-per-node K script.py` (K pipeline ranks; on several nodes "
+                "add --nnodes and --rdzv-endpoint), and"
+            )
+        )
+        raise PipelineError(
+            "fastpipe: DistributedPipe runs one pipeline stage per process and needs torch.distributed set up "
+            f'first: {launch} call torch.distributed.init_process_group("gloo") for CPU stages, or ("nccl") for '
+            "GPUs, before building it. To run every stage in this one process, use fastpipe.Pipe instead"
+        )
     if mesh is not None:
         if process_group is not None or dp_group is not None:
             raise ValueError("fastpipe: give either mesh= or process_group=/dp_group=, not both")
@@ -80,17 +100,23 @@ def pipeline_groups(process_group: Any, mesh: Any, dp_group: Any) -> tuple[Any, 
     return (process_group if process_group is not None else dist.group.WORLD), dp_group
 
 
-def order_matched(backend: str) -> bool:
-    """Whether payloads must be matched by order: always on NCCL; on request (``FASTPIPE_P2P=ordered``) elsewhere.
+def order_matched(backend: str, p2p: str | None) -> bool:
+    """Whether payloads must be matched by order: always on NCCL; on request (``p2p="ordered"``) elsewhere.
 
     The request exists to run the NCCL code path on gloo (tests, dry runs on CPU hosts).
+    ``p2p=None`` takes the backend's own way: ordered on NCCL, tags elsewhere.
+
+    Raises:
+        ValueError: ``p2p`` is not ``"tags"``, ``"ordered"`` or None, or asks for tags on NCCL.
     """
-    mode = os.environ.get("FASTPIPE_P2P", "")
-    if mode not in ("", "tags", "ordered"):
-        raise ValueError(f"fastpipe: FASTPIPE_P2P={mode!r}; use 'ordered' or 'tags', or leave it unset")
-    if backend == "nccl" and mode == "tags":
-        raise ValueError("fastpipe: FASTPIPE_P2P=tags cannot work on NCCL, which ignores tags; unset it")
-    return backend == "nccl" or mode == "ordered"
+    if p2p not in (None, "tags", "ordered"):
+        raise ValueError(f"fastpipe: p2p must be 'tags', 'ordered' or None (the backend's), got {p2p!r}")
+    if backend == "nccl" and p2p == "tags":
+        raise ValueError(
+            "fastpipe: p2p='tags' cannot work on NCCL, which ignores tags; pass p2p='ordered' or None "
+            "(and leave FASTPIPE_P2P unset)"
+        )
+    return backend == "nccl" or p2p == "ordered"
 
 
 def check_nccl_device(device: torch.device) -> None:
@@ -110,7 +136,7 @@ def check_nccl_device(device: torch.device) -> None:
 
 
 def check_same_transport(ordered: bool, group: Any) -> None:
-    """All ranks of ``group`` must match messages the same way (``FASTPIPE_P2P`` is read on each rank).
+    """All ranks of ``group`` must match messages the same way (each rank resolves its own ``p2p``).
 
     Raises:
         ValueError: on every rank, naming each rank's transport.
@@ -120,6 +146,6 @@ def check_same_transport(ordered: bool, group: Any) -> None:
     if len(set(modes)) > 1:
         per_rank = ", ".join(f"rank {dist.get_global_rank(group, r)}: {m}" for r, m in enumerate(modes))
         raise ValueError(
-            f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); set "
-            "FASTPIPE_P2P the same on every rank, or unset it"
+            f"fastpipe: the pipeline's ranks disagree on the transport ({per_rank}); pass the same "
+            "p2p= on every rank (where it is None, FASTPIPE_P2P is read: set it the same, or unset it)"
         )

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fastpipe.runtime.wgrad import fusable_linears, fused_wgrad_enabled
+from fastpipe.runtime.options import RuntimeOptions
+from fastpipe.runtime.wgrad import fusable_linears
 from fastpipe.side_inputs import declared
 from fastpipe.skips import StageSkips, has_skips
 
@@ -25,14 +26,17 @@ class Stage:
         clone_input: copy the incoming activation before use, because the first layer
             works in place and would otherwise write into a tensor that autograd (or a
             recompute) still needs.
+        options: the pipe's switches; this stage reads ``fused_wgrad`` and ``wgrad_batch``.
     """
 
     module: nn.Module
     device: torch.device
     clone_input: bool = False
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
     early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
+    wgrad_batch: int = field(init=False)  # micro-batches per deferred-W GEMM (see wgrad.CarriedRecords)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
     skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
 
@@ -40,8 +44,9 @@ class Stage:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.side_names = declared(self.module)
         self.skips = StageSkips(layers=has_skips(self.module))
-        self.linears = fusable_linears(self.module, self.params) if fused_wgrad_enabled() else []
+        fused = self.options.fused_wgrad
+        self.linears = fusable_linears(self.module, self.params) if fused else []
         # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
         # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
-        early = fused_wgrad_enabled()
-        self.early = [i for i, p in enumerate(self.params) if early and p.dim() <= 1]
+        self.early = [i for i, p in enumerate(self.params) if fused and p.dim() <= 1]
+        self.wgrad_batch = self.options.wgrad_batch_on(self.device)

@@ -45,7 +45,7 @@ from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backwar
 from fastpipe.runtime.stage import Stage
 from fastpipe.runtime.stage_checks import check_output, checked_loss, in_place_on_input
 from fastpipe.runtime.transport import Transport
-from fastpipe.runtime.wgrad import CarriedRecords, Deferred, accumulating_linears, wgrad_batch
+from fastpipe.runtime.wgrad import CarriedRecords, Deferred, accumulating_linears
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
 from fastpipe.schedule.fuse import adjacent_pairs, weight_batches
@@ -169,9 +169,8 @@ class StepRunner:
         """Which Ws hand their Linear work to a later W (see wgrad.CarriedRecords); the unsplit pairs do none."""
         carry: dict[tuple[int, int], tuple[int, int]] = {}
         for s, stage in self.stages.items():
-            width = wgrad_batch(stage.device)
-            if width > 1:
-                batches = weight_batches(self.state.schedule, width, frozenset(self.state.unsplit))
+            if stage.wgrad_batch > 1:
+                batches = weight_batches(self.state.schedule, stage.wgrad_batch, frozenset(self.state.unsplit))
                 carry.update((key, into) for key, into in batches.items() if key[0] == s)
         self.state.carried = CarriedRecords(carry)
 

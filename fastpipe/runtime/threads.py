@@ -49,6 +49,8 @@ class LocalRuntime:
         copy_same_device: send hand-offs between stages on the same device through the
             copy runtime too (as between devices). Tests use it to exercise the transfer
             path on CPU-only hosts; it also measures that path's overhead.
+        tune_malloc: tune glibc's allocator before the first step where a stage is on the CPU
+            (:mod:`fastpipe.runtime.host_alloc`).
     """
 
     def __init__(
@@ -57,11 +59,13 @@ class LocalRuntime:
         recorder: Recorder | None = None,
         *,
         copy_same_device: bool = False,
+        tune_malloc: bool = True,
     ) -> None:
         self.stages = list(stages)
         route_skips(self.stages)  # refuses bad declarations here, when the pipe is built
         self.recorder = recorder
         self.copy_same_device = copy_same_device
+        self.tune_malloc = tune_malloc
         self._pool: WorkerPool | None = None
 
     def start_timeline(self, enabled: bool, workers: int) -> Timeline | None:
@@ -201,7 +205,7 @@ class LocalRuntime:
             phase: names the phase in error messages.
             inline: workers whose actions run on the calling thread instead.
         """
-        if self._pool is None and any(st.device.type == "cpu" for st in self.stages):
+        if self._pool is None and self.tune_malloc and any(st.device.type == "cpu" for st in self.stages):
             tune_host_allocator()  # before the workers' first allocation (see host_alloc)
         if self._pool is None:
             self._pool = WorkerPool(schedule.num_workers)

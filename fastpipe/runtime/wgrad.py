@@ -29,20 +29,20 @@ CPU thread, 8 sums cycling: 2.2-2.8 ms a GEMM for one 32-row micro-batch, 3.2 ms
 micro-batches stacked into 64 rows. :class:`CarriedRecords` lets a W hand its records on to a
 later W of the same stage (:func:`fastpipe.schedule.fuse.weight_batches` pairs them), which
 runs one GEMM over both; the records stay alive until then, which costs activation memory
-(:func:`wgrad_batch` says how many micro-batches a batch holds: 2 on a CPU by default).
+(the pipe's ``wgrad_batch`` says how many micro-batches a batch holds;
+:func:`default_wgrad_batch` where it does not: 2 on a CPU).
 
 Whatever autograd would do differently falls back to ``F.linear``: autocast, mixed
 dtypes, tensor subclasses, frozen weights. Parameter hooks are no reason to fall back: the
 stage backwards run with them set aside, and they see the step's summed gradient (see
-:mod:`fastpipe.runtime.param_hooks`). ``FASTPIPE_FUSED_WGRAD=0`` turns the fusion off for
-new stages.
+:mod:`fastpipe.runtime.param_hooks`). A pipe built with ``fused_wgrad=False`` leaves every
+weight gradient to autograd (:mod:`fastpipe.runtime.options`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,38 +58,19 @@ __all__ = [
     "Deferred",
     "accumulating_linears",
     "apply_deferred",
+    "default_wgrad_batch",
     "fusable_linears",
-    "fused_wgrad_enabled",
-    "wgrad_batch",
 ]
 
 
-def fused_wgrad_enabled() -> bool:
-    """Whether new stages accumulate Linear weight gradients in the GEMM (``FASTPIPE_FUSED_WGRAD``)."""
-    return os.environ.get("FASTPIPE_FUSED_WGRAD", "1") != "0"
+def default_wgrad_batch(device: torch.device) -> int:
+    """How many micro-batches' deferred Linear work one W runs together on ``device``, unless the pipe says.
 
-
-def wgrad_batch(device: torch.device) -> int:
-    """How many micro-batches' deferred Linear work one W runs together on ``device``.
-
-    ``FASTPIPE_WGRAD_BATCH`` where set, for every device. Otherwise 2 on a CPU, where a
-    micro-batch's GEMM is mostly the running sum's memory traffic (measured), and 1 elsewhere:
-    on a GPU the batching is not measured yet, and micro-batches of many rows make the GEMM
-    compute-bound while the carried records still cost memory.
-
-    Raises:
-        ValueError: the variable is not a whole number of at least 1.
+    2 on a CPU, where a micro-batch's GEMM is mostly the running sum's memory traffic
+    (measured), and 1 elsewhere: on a GPU the batching is not measured yet, and micro-batches
+    of many rows make the GEMM compute-bound while the carried records still cost memory.
     """
-    text = os.environ.get("FASTPIPE_WGRAD_BATCH")
-    if text is None:
-        return 2 if device.type == "cpu" else 1
-    try:
-        width = int(text)
-    except ValueError:
-        width = 0
-    if width < 1:
-        raise ValueError(f"FASTPIPE_WGRAD_BATCH must be a whole number >= 1 (1: no batching), got {text!r}")
-    return width
+    return 2 if device.type == "cpu" else 1
 
 
 class AccumulatingLinear(torch.autograd.Function):

@@ -175,8 +175,8 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
         plain_apply(store, params, sums)
 
     monkeypatch.setattr(split_backward, "apply_deferred", counting)
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "1")  # each W runs its own pair's work (batches: test_weight_batches)
-    pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=4, checkpoint="never")
+    # wgrad_batch=1: each W runs its own pair's work (batches: test_weight_batches)
+    pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=4, checkpoint="never", wgrad_batch=1)
     pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1", trace=True)
     schedule = build("zb-h1", 4, 4)
     combined = set() if input_grad else {p for p in adjacent_pairs(schedule) if p[0] == 0}
@@ -221,15 +221,14 @@ def test_b_then_w_on_gpu_equals_one_backward(input_grad: bool) -> None:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("width", ["1", "2"])
-def test_a_split_step_leaves_plain_gradients_and_frees_its_records(monkeypatch: pytest.MonkeyPatch, width: str) -> None:
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_split_step_leaves_plain_gradients_and_frees_its_records(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """W runs outside the engine: its GEMMs must build no graph into .grad, nor keep a record alive."""
     import gc
     import weakref
 
     from fastpipe import Pipe
 
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", width)
     seen: list[weakref.ref] = []
     plain_backward = DeferringLinear.backward
 
@@ -239,7 +238,8 @@ def test_a_split_step_leaves_plain_gradients_and_frees_its_records(monkeypatch: 
 
     monkeypatch.setattr(DeferringLinear, "backward", staticmethod(watching))
     torch.manual_seed(0)
-    pipe = Pipe(nn.Sequential(_Block(), _Block(), _Block()), balance=[1, 1, 1], chunks=4, checkpoint="never")
+    model = nn.Sequential(_Block(), _Block(), _Block())
+    pipe = Pipe(model, balance=[1, 1, 1], chunks=4, checkpoint="never", wgrad_batch=width)
     x, y = torch.randn(8, 6, requires_grad=True), torch.randn(8, 6)
     pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
     gc.collect()

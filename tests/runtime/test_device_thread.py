@@ -67,15 +67,14 @@ def run(net, devs, checkpoint, x, balance=None, **kwargs):
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_same_numbers_as_cpu_pipe(placement, checkpoint, emu, autograd_threads, monkeypatch):
+def test_same_numbers_as_cpu_pipe(placement, checkpoint, emu, autograd_threads):
     # An emu tensor is a subclass, so its Linears leave their weight GEMMs to autograd; the CPU
     # pipe's deferred ones must then run one GEMM per micro-batch too, not batched, for the same bits.
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "1")
     x = torch.randn(16, 12)
     devs = devices(placement, emu)
-    out, gx, grads, _ = run(model(0.2), [torch.device("cpu")] * len(devs), checkpoint, x)
+    out, gx, grads, _ = run(model(0.2), [torch.device("cpu")] * len(devs), checkpoint, x, wgrad_batch=1)
     autograd_threads.clear()
-    out2, gx2, grads2, _ = run(model(0.2), devs, checkpoint, x)
+    out2, gx2, grads2, _ = run(model(0.2), devs, checkpoint, x, wgrad_batch=1)
     # The same handlers on the same data in the same per-stage order, and the same task
     # streams for dropout (emu ops draw from the CPU generator): the same bits.
     assert torch.equal(out, out2) and torch.equal(gx, gx2)

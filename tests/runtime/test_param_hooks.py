@@ -23,9 +23,8 @@ def _hook(model: nn.Sequential, calls: list[str]) -> None:
 
 
 @pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b", "zb-h1"])
-@pytest.mark.parametrize("fused", ["0", "1"])
-def test_hooks_see_the_step_gradient_once(monkeypatch: pytest.MonkeyPatch, path: str, fused: str) -> None:
-    monkeypatch.setenv("FASTPIPE_FUSED_WGRAD", fused)
+@pytest.mark.parametrize("fused", [False, True])
+def test_hooks_see_the_step_gradient_once(path: str, fused: bool) -> None:
     x, y = torch.randn(12, 5), torch.randn(12, 2)
     ref, ref_calls = _model(), []
     _hook(ref, ref_calls)
@@ -33,7 +32,7 @@ def test_hooks_see_the_step_gradient_once(monkeypatch: pytest.MonkeyPatch, path:
 
     model, calls = _model(), []
     _hook(model, calls)
-    pipe = Pipe(model, balance=[2, 2, 1], chunks=4)
+    pipe = Pipe(model, balance=[2, 2, 1], chunks=4, fused_wgrad=fused)
     if path == "forward":
         nn.functional.mse_loss(pipe(x), y).backward()
     else:

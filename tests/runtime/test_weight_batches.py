@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fastpipe.runtime import wgrad
-from fastpipe.runtime.wgrad import CarriedRecords, Deferred, apply_deferred, wgrad_batch
+from fastpipe.runtime.options import RuntimeOptions
+from fastpipe.runtime.wgrad import CarriedRecords, Deferred, apply_deferred
 from fastpipe.schedule import ScheduleError, build
 from fastpipe.schedule.fuse import weight_batches
 from fastpipe.schedule.ir import Action, Schedule
@@ -90,15 +91,27 @@ def test_a_width_below_one_is_refused() -> None:
 @pytest.mark.parametrize("text", ["0", "-1", "two", "1.5"])
 def test_a_bad_batch_variable_is_refused(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", text)
-    with pytest.raises(ValueError, match="FASTPIPE_WGRAD_BATCH must be a whole number"):
-        wgrad_batch(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"FASTPIPE_WGRAD_BATCH must be a whole number >= 1.*pass wgrad_batch="):
+        RuntimeOptions.resolve()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_a_bad_batch_keyword_is_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"wgrad_batch must be a whole number >= 1 \(1: each W runs its own"):
+        RuntimeOptions.resolve(wgrad_batch=value)
 
 
 def test_batching_is_on_for_cpu_stages_only_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("FASTPIPE_WGRAD_BATCH", raising=False)
-    assert wgrad_batch(torch.device("cpu")) == 2 and wgrad_batch(torch.device("cuda", 0)) == 1
+    unset = RuntimeOptions.resolve()
+    assert unset.wgrad_batch_on(cpu) == 2 and unset.wgrad_batch_on(gpu) == 1
+    asked = RuntimeOptions.resolve(wgrad_batch=3)
+    assert asked.wgrad_batch_on(cpu) == 3 and asked.wgrad_batch_on(gpu) == 3
     monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "3")
-    assert wgrad_batch(torch.device("cpu")) == 3 and wgrad_batch(torch.device("cuda", 0)) == 3
+    from_env = RuntimeOptions.resolve()
+    assert from_env.wgrad_batch_on(cpu) == 3 and from_env.wgrad_batch_on(gpu) == 3
+    assert RuntimeOptions.resolve(wgrad_batch=1).wgrad_batch_on(cpu) == 1  # the keyword wins over the variable
 
 
 def _record(weight: nn.Parameter, bias: nn.Parameter | None, rows: int) -> tuple:
@@ -156,14 +169,8 @@ class _Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
 
 
-@pytest.mark.parametrize("width", [1, 2, 3, 100])
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_the_step_runs_each_batch_as_one_gemm_per_linear(
-    monkeypatch: pytest.MonkeyPatch, width: int, schedule: str
-) -> None:
-    from fastpipe import Pipe
-
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", str(width))
+def _counting_gemm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every GEMM that adds into a Linear's running weight-gradient sum, from now on."""
     rows: list[int] = []
     plain_summed = wgrad._summed
 
@@ -172,12 +179,23 @@ def test_the_step_runs_each_batch_as_one_gemm_per_linear(
         return plain_summed(running, g2, x2, weight)
 
     monkeypatch.setattr(wgrad, "_summed", counting)
+    return rows
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 100])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_the_step_runs_each_batch_as_one_gemm_per_linear(
+    monkeypatch: pytest.MonkeyPatch, width: int, schedule: str
+) -> None:
+    from fastpipe import Pipe
+
+    rows = _counting_gemm_rows(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(*[_Block() for _ in range(4)])
     ref = nn.Sequential(*[_Block() for _ in range(4)])
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(12, 6, requires_grad=True), torch.randn(12, 6)
-    pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=6, checkpoint="never")
+    pipe = Pipe(model, balance=[1, 1, 1, 1], chunks=6, checkpoint="never", wgrad_batch=width)
     virtual = 2 if schedule == "zb-v" else 1
     pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule, virtual_stages=virtual)
     per_stage = -(-6 // width)  # W batches per stage: full ones, then a short last one
@@ -189,31 +207,40 @@ def test_the_step_runs_each_batch_as_one_gemm_per_linear(
         assert_close_reordered(p.grad, q.grad, k=12 + 4 * (6 + 10))
 
 
-def test_a_bad_batch_variable_fails_the_step_and_the_pipe_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_batch_variable_is_read_once_when_the_pipe_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastpipe import Pipe
 
     torch.manual_seed(0)
-    pipe = Pipe(nn.Sequential(_Block(), _Block()), balance=[1, 1], chunks=2, checkpoint="never")
-    x, y = torch.randn(4, 6), torch.randn(4, 6)
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "none")
-    with pytest.raises(ValueError, match="FASTPIPE_WGRAD_BATCH"):
+    x, y = torch.randn(12, 6, requires_grad=True), torch.randn(12, 6)
+    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "3")
+    pipe = Pipe(nn.Sequential(_Block(), _Block()), balance=[1, 1], chunks=6, checkpoint="never")
+    assert [st.wgrad_batch for st in pipe.runtime.stages] == [3, 3]
+    rows = _counting_gemm_rows(monkeypatch)
+    for later in ("1", "none"):  # neither a new width nor a bad value reaches the built pipe
+        monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", later)
+        rows.clear()
         pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
-    monkeypatch.setenv("FASTPIPE_WGRAD_BATCH", "2")
-    pipe.zero_grad()
-    loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule="zb-h1")
-    assert torch.isfinite(loss) and all(p.grad is not None for p in pipe.parameters())
+        assert rows == [3 * 2] * (2 * 2 * 2)  # 2 stages x 2 Linears x 2 batches of 3 two-row micro-batches
+    with pytest.raises(ValueError, match="FASTPIPE_WGRAD_BATCH must be a whole number"):
+        Pipe(nn.Sequential(_Block(), _Block()), balance=[1, 1], chunks=6)  # a new pipe reads "none"
 
 
-def test_the_runner_batches_the_cpu_stages_and_leaves_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("asked", [None, 3])
+def test_the_runner_batches_the_cpu_stages_and_leaves_the_others(asked: int | None) -> None:
     from fastpipe.runtime.stage import Stage
     from fastpipe.runtime.step import StepRunner, StepState
     from fastpipe.runtime.worker import CallerState
 
-    monkeypatch.delenv("FASTPIPE_WGRAD_BATCH", raising=False)
-    schedule = build("zb-h1", 2, 4)
-    stages = {0: Stage(nn.Linear(2, 2), torch.device("cpu")), 1: Stage(nn.Linear(2, 2), torch.device("cuda", 0))}
+    schedule = build("zb-h1", 2, 6)
+    options = RuntimeOptions(wgrad_batch=asked)
+    devices = (torch.device("cpu"), torch.device("cuda", 0))
+    stages = {s: Stage(nn.Linear(2, 2), d, options=options) for s, d in enumerate(devices)}
     state = StepState(schedule, CallerState.capture(), 0)
     runner = StepRunner(stages, 2, None, state, grad=True, checkpoint=lambda m: False, loss=None)  # type: ignore[arg-type]
     runner._batch_weights()
     assert state.carried is not None
-    assert dict(state.carried.carry) == {k: v for k, v in weight_batches(schedule, 2).items() if k[0] == 0} != {}
+    if asked is None:  # the devices' defaults: 2 on the CPU, none on the GPU
+        want = {k: v for k, v in weight_batches(schedule, 2).items() if k[0] == 0}
+    else:
+        want = dict(weight_batches(schedule, asked))
+    assert dict(state.carried.carry) == want != {}

@@ -92,15 +92,12 @@ def _mlp() -> nn.Sequential:
 
 @pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
-def test_pipe_gradients_equal_with_and_without_fusion(
-    monkeypatch: pytest.MonkeyPatch, path: str, checkpoint: str
-) -> None:
+def test_pipe_gradients_equal_with_and_without_fusion(path: str, checkpoint: str) -> None:
     x, y = torch.randn(10, 6), torch.randn(10, 3)
     grads = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("FASTPIPE_FUSED_WGRAD", flag)
-        pipe = Pipe(_mlp(), balance=[2, 3, 2], chunks=4, checkpoint=checkpoint)
-        assert bool(pipe._stages[0].linears) == (flag == "1")
+    for fused in (False, True):
+        pipe = Pipe(_mlp(), balance=[2, 3, 2], chunks=4, checkpoint=checkpoint, fused_wgrad=fused)
+        assert bool(pipe._stages[0].linears) == fused
         for _ in range(2):  # the second step adds to .grad left by the first
             if path == "forward":
                 nn.functional.mse_loss(pipe(x), y).backward()
@@ -175,13 +172,13 @@ def test_accumulating_linear_on_gpu_matches_autograd(shape: tuple[int, ...]) -> 
 
 
 @pytest.mark.gpu
-def test_pipe_on_gpu_fused_equals_unfused_and_autocast_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipe_on_gpu_fused_equals_unfused_and_autocast_falls_back() -> None:
     x, y = torch.randn(16, 6, device="cuda"), torch.randn(16, 3, device="cuda")
     for autocast in (False, True):
         grads = []
-        for flag in ("0", "1"):
-            monkeypatch.setenv("FASTPIPE_FUSED_WGRAD", flag)
-            pipe = Pipe(_mlp(), balance=[3, 4], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint="never")
+        for fused in (False, True):
+            devices = ["cuda:0", "cuda:0"]
+            pipe = Pipe(_mlp(), balance=[3, 4], devices=devices, chunks=4, checkpoint="never", fused_wgrad=fused)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 out = pipe(x)
             nn.functional.mse_loss(out.float(), y).backward()

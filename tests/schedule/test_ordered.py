@@ -91,20 +91,17 @@ def test_plan_of_a_deadlocking_schedule_raises() -> None:
         plan(s, 0)
 
 
-def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport() -> None:
     from fastpipe.runtime.ranks import check_nccl_device, order_matched
 
     with pytest.raises(ValueError, match="CUDA tensors.*gloo group for CPU stages"):
         check_nccl_device(torch.device("cpu"))
-    monkeypatch.setenv("FASTPIPE_P2P", "tags")
     with pytest.raises(ValueError, match="ignores tags"):
-        order_matched("nccl")
-    assert order_matched("gloo") is False
-    monkeypatch.setenv("FASTPIPE_P2P", "fifo")
-    with pytest.raises(ValueError, match="'ordered' or 'tags'"):
-        order_matched("gloo")
-    monkeypatch.delenv("FASTPIPE_P2P")
-    assert order_matched("nccl") is True and order_matched("gloo") is False
+        order_matched("nccl", "tags")
+    assert order_matched("gloo", "tags") is False
+    with pytest.raises(ValueError, match="'tags', 'ordered' or None"):
+        order_matched("gloo", "fifo")
+    assert order_matched("nccl", None) is True and order_matched("gloo", None) is False
 
 
 def test_format_plan_shows_batches_between_actions() -> None:
