@@ -53,6 +53,21 @@ _pippy_worker = pippy_worker
 __all__ = ["LOSS", "accumulation_step", "pipe_step", "pippy_times", "plain_step", "timed_rounds", "train_step", "main"]
 
 
+def plot_ratios(ratio_to_limit: dict[str, float], path: str) -> None:
+    """Bars of each method's step time over the limit, labelled, with the limit (1.0) dashed."""
+    from fastpipe.bench.charts import ratio_chart
+
+    ratio_chart(
+        path,
+        list(ratio_to_limit),
+        list(ratio_to_limit.values()),
+        reference=1.0,
+        reference_label="physical limit T_mb/K x (M+K-1)/M",
+        xlabel="step time / limit; lower is better",
+        dpi=110,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -155,18 +170,7 @@ def main() -> None:
     print(json.dumps(result))
     write_json(result, args.json)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1))
-        ax.barh([n for n, _, _ in rows][::-1], [r for _, _, r in rows][::-1], color="tab:blue")
-        ax.axvline(1.0, color="k", linestyle="--", label="physical limit")
-        ax.set_xlabel("step time / limit T_mb/K x (M+K-1)/M")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        plot_ratios(result["ratio_to_limit"], args.png)
     if args.trace or args.gantt:
         pipe = pipes["fastpipe [4,4] never"]
         pipe.trace = True  # type: ignore[assignment]

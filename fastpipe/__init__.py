@@ -28,8 +28,14 @@ from fastpipe.side_inputs import Sequential, broadcast, takes
 from fastpipe.skips import pops, stash
 from fastpipe.step_rules import TokenLoss, token_loss
 
+# torchgpipe's name, for `from torchgpipe import GPipe` -> `from fastpipe import GPipe`: Pipe takes
+# GPipe's arguments (module, balance, devices, chunks, checkpoint, deferred_batch_norm) with their
+# meanings, and keeps its forward/backward contract.
+GPipe = Pipe
+
 __all__ = [
     "Pipe",
+    "GPipe",
     "AutoSchedule",
     "DistributedPipe",
     "PipelineError",

@@ -70,6 +70,13 @@ class Tie:
     _seen: tuple[int, int] | None = field(default=None, repr=False)
     _reader_version: int | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        kind = "parameter" if self.is_parameter else "buffer"
+        return (
+            f"Tie({self.name!r} on stage {self.owner_stage} -> {self.reader_name!r} on stage {self.reader_stage}, "
+            f"{kind})"
+        )
+
     @property
     def is_parameter(self) -> bool:
         """A parameter (its gradient is folded into the owner's); else a constant buffer."""
@@ -132,6 +139,11 @@ class TiedWeights:
 
     def __bool__(self) -> bool:
         return bool(self.ties)
+
+    def __repr__(self) -> str:
+        if not self.ties:
+            return "TiedWeights(no tensor is shared across stages)"
+        return "TiedWeights(" + ", ".join(repr(t) for t in self.ties) + ")"
 
     def __iter__(self) -> Iterator[Tie]:
         return iter(self.ties)

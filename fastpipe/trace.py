@@ -28,6 +28,14 @@ _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)$")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "U": "#222222"}
 _COMM_COLOUR = "#bbbbbb"
+# The legend says what each kind is: the letters alone mean nothing to a reader new to split backwards.
+_MEANINGS = {
+    "F": "F: forward",
+    "B": "B: backward, input gradient",
+    "W": "W: backward, weight gradient",
+    "BW": "BW: backward, both (B + W)",
+    "U": "U: optimizer update",
+}
 
 
 def _time_axis(span: float, unit: str) -> tuple[float, str]:
@@ -95,6 +103,16 @@ class Timeline:
         self.unit = unit
         self._events: list[TimelineEvent] = list(events)
         self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        events = self.events
+        if not events:
+            return f"Timeline({self.num_workers} workers, no events)"
+        scale, shown = _time_axis(self.makespan, self.unit)
+        return (
+            f"Timeline({self.num_workers} workers, {len(events)} events, makespan {self.makespan * scale:.4g} "
+            f"{shown}, bubble {self.bubble_fraction:.1%})"
+        )
 
     def record(self, worker: int, action: str, start: float, end: float) -> None:
         """Appends an event; safe to call from several threads."""
@@ -201,6 +219,9 @@ class Timeline:
     def plot(self, path: str | os.PathLike[str], title: str | None = None, *, unit: str | None = None) -> None:
         """Draws a PNG Gantt chart: one row per worker, a colour per kind, micro-batch numbers in the boxes.
 
+        The legend names each kind: F forward, B the input-gradient backward, W the weight-gradient
+        backward, BW both backwards combined, U an optimizer update, grey boxes sends and receives.
+
         Args:
             path: where the PNG goes.
             title: the chart's title (default: the makespan and the bubble).
@@ -218,9 +239,13 @@ class Timeline:
         origin = min((e.start for e in events), default=0.0)
         span = self.makespan or 1.0
         scale, shown = _time_axis(span, self.unit if unit is None else unit)
-        fig, ax = plt.subplots(
-            figsize=(min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40), 1 + 0.5 * self.num_workers)
-        )
+        kinds = [k for k in _MEANINGS if any(e.kind == k for e in events)]
+        handles: list[Any] = [Patch(color=_COLOURS[k], label=_MEANINGS[k]) for k in kinds]
+        if any(e.kind in _COMM for e in events):
+            handles.append(Patch(color=_COMM_COLOUR, label="send / receive"))
+        # 2 inches on the right hold the legend; the height fits all its entries even for one worker.
+        width = min(4 + len(events) / max(self.num_workers, 1) * 0.35, 40) + 2
+        fig, ax = plt.subplots(figsize=(width, max(1 + 0.5 * self.num_workers, 0.6 + 0.2 * len(handles))))
         for e in events:
             parsed = _parse(e.action)
             colour = _COMM_COLOUR if e.kind in _COMM else _COLOURS.get(e.kind, "#8172b2")
@@ -250,9 +275,8 @@ class Timeline:
         ax.invert_yaxis()
         ax.set_xlim(0, span * scale)
         ax.set_xlabel(f"time ({shown})")
-        kinds = sorted({e.kind for e in events if e.kind in _COLOURS})
-        handles = [Patch(color=_COLOURS[k], label=k) for k in kinds]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+        if handles:
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
         ax.set_title(title or f"makespan {span * scale:.4g} {shown}, bubble {self.bubble_fraction:.1%}")
         fig.tight_layout()
         fig.savefig(path, dpi=100)

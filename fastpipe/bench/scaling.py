@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from fastpipe import Pipe
+from fastpipe.bench.charts import ratio_chart
 from fastpipe.bench.steps import accumulation_step, pipe_step, plain_step, train_step
 from fastpipe.bench.workload import make_batch, make_model
-from fastpipe.plotting import pyplot
 
 __all__ = ["Workload", "host_workload", "run_e2e", "limit_of"]
 
@@ -199,15 +199,13 @@ def summarise(times: dict[str, list[float]], w: Workload, notes: list[str]) -> d
 
 
 def plot_e2e(result: dict[str, Any], path: str) -> None:
-    """Bar chart of the speed-up over one device, with the limit as a line."""
-    plt = pyplot()
-
+    """Bars of the speed-up over one device, each labelled, with the limit as a dashed line."""
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    ax.barh([r["method"] for r in rows][::-1], [r["speedup_over_1_device"] for r in rows][::-1])
-    ax.axvline(result["ideal_speedup"], color="k", ls="--", label=f"limit ({result['ideal_speedup']:.2f}x)")
-    ax.set_xlabel(f"speed-up over 1 device (T_mb), K = {result['k']}, M = {result['m']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    ratio_chart(
+        path,
+        [r["method"] for r in rows],
+        [r["speedup_over_1_device"] for r in rows],
+        reference=result["ideal_speedup"],
+        reference_label=f"limit ({result['ideal_speedup']:.2f}x)",
+        xlabel=f"speed-up over 1 device (T_mb), K = {result['k']}, M = {result['m']}; higher is better",
+    )

@@ -88,14 +88,15 @@ def _style(index: int) -> dict[str, Any]:
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Draws bubble and peak activations against M, one column per K (matplotlib).
 
-    Every schedule has its own colour, marker and line style, and one legend above the panels names
-    them all.
+    Every schedule has its own colour, marker and line style; one legend right of the panels names
+    them all, in a column of its own, so that no name is cut off however few panels there are.
     """
     plt = pyplot()
 
     ks = sorted({r["K"] for r in rows})
     names = list(dict.fromkeys(r["schedule"] for r in rows))
-    fig, axes = plt.subplots(2, len(ks), figsize=(5.5 * len(ks), 7.5), squeeze=False)
+    # Constrained layout sizes the panels around the suptitle and the outside legend.
+    fig, axes = plt.subplots(2, len(ks), figsize=(5.5 * len(ks) + 2.2, 7.5), squeeze=False, layout="constrained")
     for col, k in enumerate(ks):
         for i, name in enumerate(names):
             sel = [r for r in rows if r["K"] == k and r["schedule"] == name]
@@ -113,17 +114,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         axes[1][col].set_yscale("log", base=2)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("Simulated schedules, unit costs F = B = W = 1")
-    fig.legend(
-        handles,
-        labels,
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.955),
-        ncol=len(names),
-        fontsize=9,
-        frameon=False,
-        markerscale=0.8,
-    )
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.legend(handles, labels, loc="outside right upper", fontsize=9, title="schedule", markerscale=0.8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

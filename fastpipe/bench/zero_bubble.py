@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.bench.ranks import join_within
+from fastpipe.bench.ranks import join_within, start_ranks
 from fastpipe.bench.report import write_json
 from fastpipe.bench.steps import LOSS, free_port
 from fastpipe.bench.workload import BATCH, BLOCKS, CHUNKS, FFN, HIDDEN, make_batch, make_model
@@ -120,6 +120,14 @@ def _bubbles(methods: dict[str, Callable[..., Any]], steps: int, chunks: int) ->
 
 def _worker(rank: int, port: int, w: dict[str, int], warmup: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
+    # Checked here rather than in the parent, where the import alone would add seconds to the part.
+    try:
+        from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble  # noqa: F401
+    except ImportError as exc:
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"skipped": f"torch.distributed.pipelining has no V schedules here ({exc})"}, f)
+        return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=K)
     x, y = make_batch(w["batch"], hidden=w["hidden"])
@@ -151,21 +159,21 @@ def _worker(rank: int, port: int, w: dict[str, int], warmup: int, rounds: int, o
 def run_zero_bubble(timeout: float, rounds: int = 9, warmup: int = 2, tiny: bool = False) -> dict[str, Any]:
     """Paired step times and bubbles of the five methods on 2 spawned gloo ranks (see the module doc).
 
+    Returns ``{"skipped": why}`` instead where this torch's ``torch.distributed.pipelining`` has no V schedules.
+
     Raises:
         RuntimeError: a rank failed, or the ranks ran past ``timeout`` seconds (they are stopped).
     """
-    import torch.multiprocessing as mp
-
     w = _TINY if tiny else _FULL
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        ctx = mp.start_processes(
-            _worker, args=(free_port(), w, warmup, rounds, out), nprocs=K, start_method="spawn", join=False
-        )
+        ctx = start_ranks(_worker, (free_port(), w, warmup, rounds, out), K)
         join_within(ctx, timeout, "the zero-bubble ranks")
         with open(out) as f:
             data = json.load(f)
+    if "skipped" in data:
+        return {"skipped": data["skipped"]}
     times: dict[str, list[float]] = data["times"]
     paired = {
         f"{ours} / {peer}": statistics.median(a / b for a, b in zip(times[ours], times[peer]))
@@ -194,6 +202,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     res = run_zero_bubble(args.timeout, args.rounds, args.warmup)
+    if "skipped" in res:
+        raise SystemExit(f"skipped: {res['skipped']}")
     w, load = res["workload"], res["load_average"]
     print(
         f"\nworkload: {w['blocks']} residual MLP blocks {w['hidden']}/{w['ffn']}, batch {w['batch']}, "

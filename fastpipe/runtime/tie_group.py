@@ -155,6 +155,11 @@ class RankTies:
     def __iter__(self) -> Iterator[TieInfo]:
         return iter(self.ties)
 
+    def __repr__(self) -> str:
+        if not self.ties:
+            return "RankTies(no tensor is shared across stages)"
+        return "RankTies(" + ", ".join(repr(t) for t in self.ties) + ")"
+
     def sync(self) -> None:
         """Give every rank's primary the owner's value (at set-up; call it on every rank after
         changing a tied tensor outside the optimizer on one rank only)."""

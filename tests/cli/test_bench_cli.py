@@ -107,3 +107,54 @@ def test_zero_bubble_part_pairs_the_v_schedules_with_torchs(tmp_path: object, mo
     with open(os.path.join("out", "results.md")) as f:
         text = f.read()
     assert "fastpipe zb-v / pipelining ZBVZeroBubble" in text and "bubble, traced" in text
+
+
+def test_distributed_part_times_its_four_runs_in_one_set_of_forked_ranks(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.multiprocessing as mp
+
+    started: list[object] = []
+    start = mp.start_processes
+
+    def spy(*args: object, **kwargs: object) -> object:
+        started.append(kwargs.get("start_method"))
+        return start(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mp, "start_processes", spy)
+    monkeypatch.chdir(str(tmp_path))
+    assert main(["bench", "--tiny", "--only", "distributed", "--out", "out", "--no-progress"]) == 0
+    with open(os.path.join("out", "bench.json")) as f:
+        part = json.load(f)["parts"]["distributed"]
+    assert part["status"] == "ok", part
+    methods = {r["method"] for r in part["result"]["rows"]}
+    assert {
+        f"{who} {schedule} (2 gloo ranks)"
+        for who in ("fastpipe DistributedPipe", "torch.distributed.pipelining")
+        for schedule in ("1f1b", "gpipe")
+    } <= methods
+    # A rank forked from a server that imported torch starts in milliseconds; a spawned one imports it again.
+    assert started == ["forkserver"]
+
+
+def test_ranks_keep_the_runs_finished_before_a_failure_and_name_it() -> None:
+    from fastpipe.bench.ranks import spawn_runs
+    from fastpipe.bench.scaling import host_workload
+
+    runs = [("fastpipe", "1f1b"), ("fastpipe", "no-such-schedule"), ("pipelining", "1f1b")]
+    result = spawn_runs(runs, host_workload(tiny=True), warmup=0, steps=2, timeout=300)
+    assert list(result.times) == [("fastpipe", "1f1b")]
+    steps, t_mb = result.times[("fastpipe", "1f1b")]
+    assert len(steps) == len(t_mb) == 2 and all(t > 0 for t in steps + t_mb)
+    assert "no-such-schedule" in result.missing[("fastpipe", "no-such-schedule")]
+    assert set(result.missing) == {("fastpipe", "no-such-schedule"), ("pipelining", "1f1b")}
+
+
+def test_ranks_start_no_run_past_the_budget() -> None:
+    from fastpipe.bench.ranks import spawn_runs
+    from fastpipe.bench.scaling import host_workload
+
+    runs = [("fastpipe", "1f1b"), ("pipelining", "gpipe")]
+    result = spawn_runs(runs, host_workload(tiny=True), warmup=0, steps=1, timeout=300, reserve=300)
+    assert result.times == {}
+    assert result.missing == {r: "skipped, time budget spent" for r in runs}
