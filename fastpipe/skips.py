@@ -14,7 +14,7 @@ name it where it is made and where it is used::
         head,
     )
     model(x)                                  # the plain model
-    fastpipe.Pipe(model, balance=[3, 2, 3])(x)  # the same, pipelined
+    fastpipe.Pipe(model, balance=[3, 2, 3], chunks=4)(x)  # the same, pipelined
 
 or, for a class of your own, with a class attribute ``fastpipe_pops = ("d1",)``.
 
