@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,15 +263,24 @@ def test_torchrun_block_runs_on_two_cpu_ranks(block: Block, tmp_path: Path) -> N
     assert "--standalone" in launch, f"{block.name}: say --standalone, so that two runs on one host never collide"
     script = tmp_path / launch[-1]
     script.write_text(block.runnable())
-    proc = subprocess.run(
+    # A session of its own, so that a block over its time takes its ranks down with the launcher:
+    # killing the launcher alone leaves the ranks running, holding a port and a core.
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launch[1:]],
         cwd=tmp_path,
         env=ENV,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=BLOCK_TIMEOUT,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, f"{block.name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    try:
+        out, err = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{block.name}: over {BLOCK_TIMEOUT:.0f} s\n{out[-3000:]}\n{err[-5000:]}")
+    assert proc.returncode == 0, f"{block.name}: exit {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}"
 
 
 def fragment_problems(block: Block) -> list[str]:
