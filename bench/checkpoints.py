@@ -1,15 +1,15 @@
-"""Checkpoint cost on 2 gloo ranks: the one-file ``fastpipe.save`` against sharded ``fastpipe.dcp``.
+"""Checkpoint cost on 2 gloo ranks: the one-file ``fastpipe.save`` against sharded ``fastpipe.checkpoint.dcp``.
 
 Two spawned ranks (one intra-op thread each) hold a ``DistributedPipe`` of 8 ``Linear(W, W)``
 layers, split [4, 4], with Adam's state filled by one step (3 tensors per parameter). For
 each width it measures, on rank 0, between barriers:
 
 * save and load time of ``fastpipe.save``/``load`` (every share gathered to rank 0, one
-  file) and of ``fastpipe.dcp.save``/``load`` (each rank its shard, then the CRC-32s and the
+  file) and of ``fastpipe.checkpoint.dcp.save``/``load`` (each rank its shard, then the CRC-32s and the
   commit record; the load checks the CRC-32s first);
 * the peak resident memory that rank 0 (the gathering rank of ``fastpipe.save``) adds
   during the save (``VmHWM`` after resetting it through ``/proc/self/clear_refs``);
-* the pause of ``fastpipe.dcp.async_save``: the time until the call returns, against the
+* the pause of ``fastpipe.checkpoint.dcp.async_save``: the time until the call returns, against the
   whole synchronous save;
 * the CRC-32 and SHA-256 throughput over the checkpoint's files.
 
@@ -43,9 +43,9 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fastpipe  # noqa: E402
-from fastpipe import dcp  # noqa: E402
 from fastpipe.bench.steps import free_port  # noqa: E402
-from fastpipe.commit import checksum  # noqa: E402
+from fastpipe.checkpoint import dcp  # noqa: E402
+from fastpipe.checkpoint.commit import checksum  # noqa: E402
 from fastpipe.distributed_pipe import DistributedPipe  # noqa: E402
 
 MIB = 1 << 20

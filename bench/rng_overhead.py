@@ -2,7 +2,7 @@
 
 A ``TorchFunctionMode`` intercepts every op of its thread, so routing random ops through
 one costs host time on every op: +38% on a 150-layer model when every stage had it. fastpipe
-installs it only on stages that could draw (fastpipe.rng.may_draw). This script times,
+installs it only on stages that could draw (fastpipe.rng.streams.may_draw). This script times,
 in one run and interleaved round-robin, one ``Pipe.forward`` + ``backward`` step of
 75 × (Linear(16, 16), ReLU) on 2 CPU stages with chunks=4:
 

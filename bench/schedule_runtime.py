@@ -37,8 +37,8 @@ from fastpipe.balance import plan, profile_layers  # noqa: E402
 from fastpipe.bench.report import write_json  # noqa: E402
 from fastpipe.bench.workload import HIDDEN, ResidualMLP, make_batch, make_model  # noqa: E402
 from fastpipe.schedule import build, simulate  # noqa: E402
-from fastpipe.timing import action_costs  # noqa: E402
-from fastpipe.trace import Timeline  # noqa: E402
+from fastpipe.trace.timeline import Timeline  # noqa: E402
+from fastpipe.trace.timing import action_costs  # noqa: E402
 
 LOSS = nn.MSELoss()
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]

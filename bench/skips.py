@@ -40,7 +40,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import fastpipe  # noqa: E402
 from fastpipe.bench.report import write_json  # noqa: E402
-from fastpipe.skips import Stash, popped  # noqa: E402
+from fastpipe.model.skips import Stash, popped  # noqa: E402
 
 BATCH, CHUNKS = 32, 4
 SIZE = int(os.environ.get("SKIPS_BENCH_SIZE", "64"))  # image side; --size sets it (the ranks inherit it)

@@ -16,17 +16,17 @@ from fastpipe._version import __version__
 # fastpipe._C need a finder of their own; an installed package has both and is left alone.
 _source_tree.install(Path(__file__).parent, __version__)
 
-from fastpipe.auto_schedule import AutoSchedule
-from fastpipe.batchnorm import DeferredBatchNorm
-from fastpipe.checkpoints import resume_or_start, save_checkpoint
-from fastpipe.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError, latest
+from fastpipe.checkpoint.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError, latest
+from fastpipe.checkpoint.loop import resume_or_start, save_checkpoint
+from fastpipe.checkpoint.serialization import load, save
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
+from fastpipe.model.batchnorm import DeferredBatchNorm
+from fastpipe.model.side_inputs import Sequential, broadcast, takes
+from fastpipe.model.skips import pops, stash
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
-from fastpipe.serialization import load, save
-from fastpipe.side_inputs import Sequential, broadcast, takes
-from fastpipe.skips import pops, stash
-from fastpipe.step_rules import TokenLoss, token_loss
+from fastpipe.step.auto_schedule import AutoSchedule
+from fastpipe.step.rules import TokenLoss, token_loss
 
 # torchgpipe's name, for `from torchgpipe import GPipe` -> `from fastpipe import GPipe`: Pipe takes
 # GPipe's arguments (module, balance, devices, chunks, checkpoint, deferred_batch_norm) with their

@@ -17,7 +17,7 @@ With a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``"pp"`` and
 Side inputs (``train_step(x, y, loss_fn, attention_mask=mask)``) are passed by every rank,
 each with the same values: each rank splits its own copy into micro-batches, nothing is sent.
 A tensor that layers on several stages share (a tied embedding) is one tensor per rank that
-uses it, kept equal across ranks (:mod:`fastpipe.runtime.tie_group`).
+uses it, kept equal across ranks (:mod:`fastpipe.distributed.tie_group`).
 """
 
 from __future__ import annotations
@@ -29,25 +29,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fastpipe.amp import distributed_loss_scale
 from fastpipe.asynchronous.distributed import DistributedFitRun
-from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from fastpipe.distributed_step import rank_step
+from fastpipe.distributed.backend import backend_for
+from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
+from fastpipe.distributed.rank_step import rank_step
+from fastpipe.distributed.ranks import check_same_settings, gather_objects, pipeline_groups
+from fastpipe.distributed.runtime import DEFAULT_TIMEOUT, DistributedRuntime
+from fastpipe.distributed.tie_group import RankTies
 from fastpipe.errors import PipelineError
-from fastpipe.microbatch import Value
-from fastpipe.partition import check_balance, check_module, first_layer_in_place
-from fastpipe.runtime.backend import backend_for
-from fastpipe.runtime.distributed import DEFAULT_TIMEOUT, DistributedRuntime
+from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.model.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.runtime.options import P2P, RuntimeOptions
 from fastpipe.runtime.param_hooks import accumulate_grads
-from fastpipe.runtime.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
-from fastpipe.runtime.ranks import check_same_settings, gather_objects, pipeline_groups
 from fastpipe.runtime.step import LossSpec, Stage
-from fastpipe.runtime.tie_group import RankTies
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for, placement_for
-from fastpipe.step_rules import (
+from fastpipe.step.amp import distributed_loss_scale
+from fastpipe.step.microbatch import Value
+from fastpipe.step.rules import (
     Checkpoint,
     check_checkpoint,
     check_chunks,
@@ -55,7 +55,7 @@ from fastpipe.step_rules import (
     checkpoint_predicate,
     microbatch_loss,
 )
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["DistributedPipe"]
 
@@ -97,7 +97,7 @@ class DistributedPipe(nn.Module):
     use there (``"0.wte.weight"``; ``"9.weight"`` on the head's rank), which
     :func:`fastpipe.save` loads into the tied Sequential. The first stage's value is
     broadcast at construction and the gradient summed over those ranks after every backward
-    (:mod:`fastpipe.runtime.tie_group`), so the optimizers keep the copies bitwise equal.
+    (:mod:`fastpipe.distributed.tie_group`), so the optimizers keep the copies bitwise equal.
     Change one outside the optimizer on all of them, or call ``pipe.ties.sync()`` on every rank.
     """
 
@@ -295,7 +295,7 @@ class DistributedPipe(nn.Module):
         scaler.update()`` on every rank. Over several ranks it must be a
         ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` whose group holds them
         all, so that an overflow on one rank skips the step on every rank (see
-        :mod:`fastpipe.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
+        :mod:`fastpipe.step.amp`); a non-finite loss is then the scaler's to handle, not ``on_nan``'s.
 
         ``schedule``: a :class:`~fastpipe.schedule.Schedule` to run instead of the pipe's (one
         from :func:`fastpipe.schedule.fuse.fuse_backward`, say), for this pipe's stages, ranks

@@ -9,13 +9,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from fastpipe.amp import loss_scale
 from fastpipe.asynchronous.fit_run import FitRun
-from fastpipe.auto_schedule import AutoRun, AutoSchedule, is_auto
 from fastpipe.balance.auto import resolve_balance
-from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from fastpipe.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
-from fastpipe.partition import (
+from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.model.partition import (
     MOVE_REFUSED,
     Device,
     check_balance,
@@ -29,7 +26,9 @@ from fastpipe.partition import (
     stage_devices,
     warn_unpipelined,
 )
-from fastpipe.rng import draw_step_seed
+from fastpipe.model.side_inputs import check_side_inputs, split_side_inputs
+from fastpipe.model.ties import TiedWeights, split_tied
+from fastpipe.rng.streams import draw_step_seed
 from fastpipe.runtime.autograd_node import NodeRun, PipelineNode
 from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -37,8 +36,10 @@ from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
-from fastpipe.side_inputs import check_side_inputs, split_side_inputs
-from fastpipe.step_rules import (
+from fastpipe.step.amp import loss_scale
+from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, is_auto
+from fastpipe.step.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
+from fastpipe.step.rules import (
     CHECKPOINT_MODES,
     Checkpoint,
     check_checkpoint,
@@ -51,8 +52,7 @@ from fastpipe.step_rules import (
     pipe_schedule,
     split_targets,
 )
-from fastpipe.ties import TiedWeights, split_tied
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["Pipe", "CHECKPOINT_MODES"]
 
@@ -83,7 +83,7 @@ class Pipe(nn.Module):
             Recomputation replays dropout bit for bit: every (stage, micro-batch) draws from
             its own generator, seeded once per step from the caller's generator.
         deferred_batch_norm: BatchNorm layers become :class:`DeferredBatchNorm` (statistics of the whole mini-batch).
-        trace: record a :class:`~fastpipe.trace.Timeline` of every step in ``last_timeline``.
+        trace: record a :class:`~fastpipe.trace.timeline.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
             backward). ``"auto"`` or a ``fastpipe.AutoSchedule`` picks one from measured costs (``auto_schedule``).
         virtual_stages: default stages per worker (``"interleaved"``; 2 for ``"zb-v"``, ``"dualpipev"``).
@@ -105,7 +105,7 @@ class Pipe(nn.Module):
 
     A parameter, buffer or module that layers on several stages share (a tied embedding) stays one
     tensor for ``parameters()`` and ``state_dict()``: the other stages read copies, refreshed before
-    each step, and its gradient is the sum over all uses (:mod:`fastpipe.ties`).
+    each step, and its gradient is the sum over all uses (:mod:`fastpipe.model.ties`).
     """
 
     def __init__(
@@ -224,7 +224,7 @@ class Pipe(nn.Module):
         Input tensors on another device than the first stage's are copied there (as the
         stages hand activations on), so a CPU batch can feed a GPU pipeline directly.
         Keyword arguments are side inputs (``attention_mask=...``), handed to the layers
-        that declare them (:mod:`fastpipe.side_inputs`).
+        that declare them (:mod:`fastpipe.model.side_inputs`).
         """
         microbatches, side_mbs = self._scatter(input, side)
         params = [p for s in self._stages for p in s.params]
@@ -286,7 +286,7 @@ class Pipe(nn.Module):
         ``loss_fn(model(input), target)``: each micro-batch's loss counts by its share of
         the mini-batch's normaliser, samples for a mean, valid targets for cross-entropy
         with ``ignore_index``, a declared normaliser for :func:`fastpipe.token_loss`
-        (:mod:`fastpipe.step_rules`). The optimizer step is the caller's.
+        (:mod:`fastpipe.step.rules`). The optimizer step is the caller's.
 
         Args:
             input: the mini-batch (a tensor, or a tuple as for :meth:`forward`).

@@ -33,7 +33,7 @@ def die_after_writing_the_shard() -> None:
 
 def die_before_the_record() -> None:
     """The next DCP save dies once DCP has finished (shards and index written), before this rank's checksums."""
-    from fastpipe import dcp
+    from fastpipe.checkpoint import dcp
 
     def die(*args: Any, **kwargs: Any) -> Any:
         _die()

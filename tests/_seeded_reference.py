@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastpipe.microbatch import scatter
-from fastpipe.rng import draw_step_seed, task_seed
+from fastpipe.rng.streams import draw_step_seed, task_seed
+from fastpipe.step.microbatch import scatter
 
 __all__ = ["step_seed_after", "seeded_forward"]
 

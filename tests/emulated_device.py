@@ -21,7 +21,7 @@ How it works:
 
 Random ops on ``emu`` tensors run on the CPU tensors and so draw from the CPU's default
 generator: ``torch.manual_seed`` seeds them, and fastpipe's task streams route them like
-CPU draws (an accelerator without ``default_generators`` of its own, in ``fastpipe.rng``).
+CPU draws (an accelerator without ``default_generators`` of its own, in ``fastpipe.rng.streams``).
 
 What it cannot show: streams and events (the Python device guard has only the default
 stream and one device, so ``emu:1`` does not exist), kernels and their asynchrony, pinned

@@ -31,11 +31,11 @@ from torch import Tensor
 
 from fastpipe.asynchronous.fit_run import FitRun, RunnerFactory
 from fastpipe.asynchronous.window import Window
-from fastpipe.microbatch import to_device
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
-from fastpipe.step_rules import microbatch_loss
+from fastpipe.step.microbatch import to_device
+from fastpipe.step.rules import microbatch_loss
 
 __all__ = ["DistributedFitRun"]
 

@@ -25,16 +25,16 @@ from fastpipe.asynchronous.direction import check_predictable, predict_weights
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.asynchronous.window import Split, Window, side_of
-from fastpipe.microbatch import Value, batch_size, check_value, scatter, to_device
-from fastpipe.rng import draw_step_seed
+from fastpipe.model.side_inputs import check_side_inputs, split_side_inputs
+from fastpipe.rng.streams import draw_step_seed
 from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage, StepState
 from fastpipe.runtime.transport import Transport
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
-from fastpipe.side_inputs import check_side_inputs, split_side_inputs
-from fastpipe.step_rules import checkpoint_predicate, microbatch_loss, microbatch_weights, split_targets
+from fastpipe.step.microbatch import Value, batch_size, check_value, scatter, to_device
+from fastpipe.step.rules import checkpoint_predicate, microbatch_loss, microbatch_weights, split_targets
 
 __all__ = ["FitRun", "RunnerFactory", "Window", "fit"]
 
@@ -158,7 +158,7 @@ class FitRun(Iterator[Tensor]):
     # -- one window -----------------------------------------------------------------
 
     def _factors(self, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
-        """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step_rules.microbatch_weights`)."""
+        """Each micro-batch's factor in its mini-batch's loss (see :func:`fastpipe.step.rules.microbatch_weights`)."""
         return microbatch_weights(self.loss_fn, targets, sizes, "fit")
 
     def _split(self, item: Any, need_input: bool = True) -> Split:
@@ -190,7 +190,7 @@ class FitRun(Iterator[Tensor]):
         return item[0], item[1], side
 
     def _split_side(self, side: Mapping[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
-        """Each micro-batch's side inputs, split like the input (see :mod:`fastpipe.side_inputs`)."""
+        """Each micro-batch's side inputs, split like the input (see :mod:`fastpipe.model.side_inputs`)."""
         return split_side_inputs(dict(side), sum(sizes), self.chunks, len(sizes)) if side else [{} for _ in sizes]
 
     def _gather(self) -> Window | None:

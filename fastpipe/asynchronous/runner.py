@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fastpipe.asynchronous.weights import StageWeights
-from fastpipe.batchnorm import DeferredBatchNorm, accumulating_into
-from fastpipe.microbatch import Value
+from fastpipe.model.batchnorm import DeferredBatchNorm, accumulating_into
 from fastpipe.runtime.step import LossSpec, Stage, StepRunner, StepState
 from fastpipe.runtime.transport import Transport
 from fastpipe.schedule import Action
+from fastpipe.step.microbatch import Value
 
 __all__ = ["MultistepRunner"]
 
@@ -127,7 +127,7 @@ class MultistepRunner(StepRunner):
                 return super()._run_module(s, m, inputs)
             # The loss may read the last stage's parameters too (an LM head's projection in
             # kernels.linear_cross_entropy), and a stage with skips or side inputs runs its
-            # layers one by one (fastpipe.skips, fastpipe.side_inputs), past _OnVersion: bind
+            # layers one by one (fastpipe.model.skips, fastpipe.model.side_inputs), past _OnVersion: bind
             # them to the version as well, or the loss would see the live weights and their
             # gradient would never reach the update.
             bound = {f"inner.{n}": t for n, t in zip(module.names, module.tensors)}

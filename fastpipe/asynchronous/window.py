@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from fastpipe.microbatch import Value
+from fastpipe.step.microbatch import Value
 
 __all__ = ["Split", "Window", "side_of"]
 

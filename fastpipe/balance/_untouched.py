@@ -3,7 +3,7 @@
 :func:`fastpipe.balance.profile_layers` runs the caller's own layers, forward and backward, in
 whatever mode they are in. These context managers put back what such runs move, so that a
 profiled model then trains exactly as an unprofiled one, and a pipeline that checks its shared
-buffers for writes (:meth:`fastpipe.ties.Tie.check_constant`) sees none from the profile.
+buffers for writes (:meth:`fastpipe.model.ties.Tie.check_constant`) sees none from the profile.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def state_kept(module: nn.Module, target: torch.device | None) -> Iterator[None]
     Each buffer slot gets its own tensor back (a visit to another device, or a layer that rebinds
     a buffer, leaves a new one there), and only a tensor whose bits differ from before gets its
     values copied back. A restoring copy bumps the tensor's version counter, which the pipeline
-    reads as a write into a buffer shared across stages (:meth:`fastpipe.ties.Tie.check_constant`),
+    reads as a write into a buffer shared across stages (:meth:`fastpipe.model.ties.Tie.check_constant`),
     so an untouched buffer (a rotary table) must not get one. The bits are compared, not the
     counter: BatchNorm's kernel updates its running statistics without bumping it.
     """

@@ -20,12 +20,12 @@ from torch import nn
 from fastpipe.balance._untouched import state_kept
 from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import MEASURED_TOLERANCE, LayerProfile, Timer, profile_layers
-from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of
-from fastpipe.partition import resolve_devices
+from fastpipe.model.partition import resolve_devices
+from fastpipe.model.side_inputs import broadcast, check_side_inputs, split_side_inputs
+from fastpipe.model.skip_memory import measure_skips
+from fastpipe.model.skips import has_skips
 from fastpipe.schedule import ScheduleError, build, simulate
-from fastpipe.side_inputs import broadcast, check_side_inputs, split_side_inputs
-from fastpipe.skip_memory import measure_skips
-from fastpipe.skips import has_skips
+from fastpipe.step.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of
 
 __all__ = ["auto_balance", "resolve_balance"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from fastpipe.balance.bottleneck import min_bottleneck
 from fastpipe.schedule import Schedule, ScheduleError, build, simulate
 from fastpipe.schedule.simulate import CompiledSimulation
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["BalanceError", "plan", "predict"]
 

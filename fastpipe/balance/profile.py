@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from fastpipe.balance._untouched import grads_set_aside, state_kept, visiting
-from fastpipe.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of, to_device
-from fastpipe.partition import layers_of
-from fastpipe.side_inputs import call_layer, check_side_inputs, declared, side_inputs_on, split_side_inputs
-from fastpipe.skips import SkipStore, Stash, popped
+from fastpipe.model.partition import layers_of
+from fastpipe.model.side_inputs import call_layer, check_side_inputs, declared, side_inputs_on, split_side_inputs
+from fastpipe.model.skips import SkipStore, Stash, popped
+from fastpipe.step.microbatch import Value, batch_size, check_value, replace_tensors, tensors_of, to_device
 
 __all__ = ["MEASURED_TOLERANCE", "LayerProfile", "profile_layers"]
 

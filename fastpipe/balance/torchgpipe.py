@@ -17,7 +17,7 @@ from torch import nn
 from fastpipe.balance.bottleneck import min_bottleneck
 from fastpipe.balance.planner import BalanceError, plan
 from fastpipe.balance.profile import MEASURED_TOLERANCE, Timer, profile_layers
-from fastpipe.microbatch import Value
+from fastpipe.step.microbatch import Value
 
 __all__ = ["by_size", "by_time"]
 

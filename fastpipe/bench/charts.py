@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fastpipe.plotting import pyplot
+from fastpipe.trace.plotting import pyplot
 
 __all__ = ["FAMILIES", "family", "ratio_chart"]
 

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from fastpipe import kernels
 from fastpipe.bench.workload import ResidualMLP
 from fastpipe.kernels.memory import count_saved_bytes
-from fastpipe.plotting import pyplot
+from fastpipe.trace.plotting import pyplot
 
 __all__ = ["run_memory"]
 

@@ -3,8 +3,8 @@
 Unit costs per stage and micro-batch: F = 1, B = 1, W = 1 (BW = 2), no link delay. For ``interleaved``,
 ``zb-v`` and ``dualpipev`` (v = 2 stages per worker) each stage chunk costs half, so every schedule does
 the same work per worker. Peak activations count (stage, micro-batch) pairs alive on a worker (see
-``fastpipe.trace.Timeline.peak_activations``); a chunk of v per worker holds 1/v of a stage's activation, so its
-"equivalent micro-batches" (the last column) are peak / v.
+``fastpipe.trace.timeline.Timeline.peak_activations``); a chunk of v per worker holds 1/v of a stage's activation, so
+its "equivalent micro-batches" (the last column) are peak / v.
 
 Usage::
 
@@ -18,9 +18,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from fastpipe.plotting import pyplot
 from fastpipe.schedule import SCHEDULES, build, simulate
 from fastpipe.schedule.builders import STAGES_PER_WORKER
+from fastpipe.trace.plotting import pyplot
 
 __all__ = ["main", "run", "plot"]
 

@@ -13,7 +13,7 @@ rotates from round to round, each step timed between two barriers on rank 0. Per
 fastpipe step is divided by its peer's step of the same round (paired), which cancels the drift
 between rounds; the medians over rounds are reported. Then a few traced steps of each fastpipe
 schedule give the measured bubble (both ranks' rows merged on one clock) beside the simulator's,
-priced with the per-action costs measured in those steps (:func:`fastpipe.timing.simulate_measured`).
+priced with the per-action costs measured in those steps (:func:`fastpipe.trace.timing.simulate_measured`).
 
 ``fastpipe bench --only zero-bubble`` runs it within the part's budget; by hand::
 
@@ -98,8 +98,8 @@ def _bubbles(methods: dict[str, Callable[..., Any]], steps: int, chunks: int) ->
     Each rank records its own row; perf_counter is one monotonic clock for the processes of a host,
     so the rows merge into one timeline per step. The figures are medians over ``steps``.
     """
-    from fastpipe.timing import simulate_measured
-    from fastpipe.trace import Timeline
+    from fastpipe.trace.timeline import Timeline
+    from fastpipe.trace.timing import simulate_measured
 
     out: dict[str, dict[str, float]] = {}
     for name in ("fastpipe zb-v", "fastpipe dualpipev", "fastpipe 1f1b"):

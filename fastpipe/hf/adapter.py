@@ -36,7 +36,7 @@ from fastpipe.hf.errors import UnsupportedModelError
 from fastpipe.hf.layers import DecoderBlock, Embeddings, FinalNorm, Layout, LMHead
 from fastpipe.hf.own_forward import has_state
 from fastpipe.hf.probe import check_layer_inputs
-from fastpipe.side_inputs import Sequential
+from fastpipe.model.side_inputs import Sequential
 
 __all__ = ["UnsupportedModelError", "to_sequential"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastpipe.step_rules import TokenLoss, token_loss
+from fastpipe.step.rules import TokenLoss, token_loss
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "shifted_labels"]
 

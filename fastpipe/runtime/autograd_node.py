@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fastpipe.microbatch import Value, gather, tensors_of
 from fastpipe.runtime.step import StepState
 from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
+from fastpipe.step.microbatch import Value, gather, tensors_of
 
 __all__ = ["NodeRun", "PipelineNode", "join_input_grads"]
 

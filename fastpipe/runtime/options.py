@@ -12,7 +12,7 @@ applies; a pipe built earlier keeps what it read::
 
 The variables suit a launcher or a benchmark that sets them for a whole run. What each switch
 does is told in :mod:`fastpipe.runtime.wgrad` (``fused_wgrad``, ``wgrad_batch``),
-:mod:`fastpipe.runtime.host_alloc` (``tune_malloc``) and :mod:`fastpipe.runtime.ranks` (``p2p``).
+:mod:`fastpipe.runtime.host_alloc` (``tune_malloc``) and :mod:`fastpipe.distributed.ranks` (``p2p``).
 """
 
 from __future__ import annotations

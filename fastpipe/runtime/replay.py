@@ -1,7 +1,7 @@
 """What a checkpointed forward leaves behind so that its recompute replays it exactly.
 
 A recompute must see what the forward saw and must not apply the forward's side effects a
-second time. Randomness is the task RNG's job (fastpipe.rng); this module covers the rest:
+second time. Randomness is the task RNG's job (fastpipe.rng.streams); this module covers the rest:
 
 * **Inputs written in place.** A stage that writes into its input (``bar.add_(1)``) under
   checkpointing would see the written values in the recompute and write them again. The
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from fastpipe.microbatch import Value, tensors_of
+from fastpipe.step.microbatch import Value, tensors_of
 
 __all__ = ["Snapshot", "check_untouched"]
 

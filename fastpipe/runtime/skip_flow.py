@@ -1,6 +1,6 @@
 """Skips in a step: a stashed tensor goes straight to the stage that pops it, its gradient straight back.
 
-A skip (:mod:`fastpipe.skips`) is one more edge of the step's dataflow, from the stage
+A skip (:mod:`fastpipe.model.skips`) is one more edge of the step's dataflow, from the stage
 that stashes it (the producer, p) to the stage that pops it (the consumer, c), beside the
 stage-to-stage activations::
 
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import Tensor
 
-from fastpipe.microbatch import Value, tensors_of
+from fastpipe.model.skips import SkipEvent, SkipStore, StageSkips, plan_skips, skip_events
 from fastpipe.runtime.transport import Transport
-from fastpipe.skips import SkipEvent, SkipStore, StageSkips, plan_skips, skip_events
+from fastpipe.step.microbatch import Value, tensors_of
 
 if TYPE_CHECKING:
     from fastpipe.runtime.step import Stage
@@ -46,7 +46,7 @@ def route_skips(stages: Sequence[Stage]) -> None:
     """Check the skips of a whole pipeline (its stages in order) and tell each stage where its own go.
 
     Raises:
-        ValueError: as :func:`fastpipe.skips.plan_skips`.
+        ValueError: as :func:`fastpipe.model.skips.plan_skips`.
     """
     for stage, skips in zip(stages, plan_skips([skip_events(st.module) for st in stages])):
         stage.skips = skips

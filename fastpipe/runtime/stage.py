@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fastpipe.model.side_inputs import declared
+from fastpipe.model.skips import StageSkips, has_skips
 from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.runtime.wgrad import fusable_linears
-from fastpipe.side_inputs import declared
-from fastpipe.skips import StageSkips, has_skips
 
 __all__ = ["Stage"]
 
@@ -38,7 +38,7 @@ class Stage:
     early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
     wgrad_batch: int = field(init=False)  # micro-batches per deferred-W GEMM (see wgrad.CarriedRecords)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
-    skips: StageSkips = field(init=False)  # where its skips (fastpipe.skips) go and come from: set by the runtime
+    skips: StageSkips = field(init=False)  # where its skips (fastpipe.model.skips) go and come from: set by the runtime
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]

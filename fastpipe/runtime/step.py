@@ -4,7 +4,7 @@ A step is a :class:`~fastpipe.schedule.Schedule` executed over :class:`Stage` s.
 says what each action does; a driver says where and when it runs:
 
 * :mod:`fastpipe.runtime.threads`: one process, one worker thread per pipeline worker;
-* :mod:`fastpipe.runtime.distributed`: one process per rank, over ``torch.distributed``;
+* :mod:`fastpipe.distributed.runtime`: one process per rank, over ``torch.distributed``;
 * :mod:`fastpipe.asynchronous.runner`: the same handlers plus weight updates (``U``).
 
 Each action waits for what it needs through a :class:`~fastpipe.runtime.transport.Transport`
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastpipe.microbatch import Value, replace_tensors, tensors_of
-from fastpipe.rng import TaskRNG, may_draw, task_seed
-from fastpipe.rng_state import install as install_task_rng_state
+from fastpipe.model.side_inputs import run_layers, side_inputs_on
+from fastpipe.rng.state import install as install_task_rng_state
+from fastpipe.rng.streams import TaskRNG, may_draw, task_seed
 from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
 from fastpipe.runtime.skip_flow import SkipFlow
@@ -49,7 +49,7 @@ from fastpipe.runtime.wgrad import CarriedRecords, Deferred, accumulating_linear
 from fastpipe.runtime.worker import CallerState, recomputing
 from fastpipe.schedule import Action, Schedule
 from fastpipe.schedule.fuse import adjacent_pairs, weight_batches
-from fastpipe.side_inputs import run_layers, side_inputs_on
+from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
 
 __all__ = ["Stage", "StepState", "StepRunner", "LossSpec", "Recorder"]
 
@@ -92,11 +92,11 @@ class StepState:
     schedule: Schedule
     caller: CallerState
     step_seed: int
-    side: Sequence[Mapping[str, Any]] = ()  # each micro-batch's side inputs (fastpipe.side_inputs)
+    side: Sequence[Mapping[str, Any]] = ()  # each micro-batch's side inputs (fastpipe.model.side_inputs)
     tasks: dict[tuple[int, int], _Task] = field(default_factory=dict)
     consumed: bool = False
     side_copies: dict[tuple[int, torch.device], Tensor] = field(default_factory=dict)  # per device, once a step
-    draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng)
+    draws: dict[int, bool] = field(default_factory=dict)  # per stage: may its task draw (see fastpipe.rng.streams)
     deferred: dict[tuple[int, int], Deferred] = field(default_factory=dict)  # split pairs' Linear work, B to W
     unsplit: set[tuple[int, int]] = field(default_factory=set)  # split pairs run combined at B (see feed)
     carried: CarriedRecords | None = None  # deferred work handed from W to W (see wgrad)
@@ -208,7 +208,7 @@ class StepRunner:
         """What to enter around task (s, m) so that its random ops draw from its own streams.
 
         Stages that cannot draw skip :class:`TaskRNG`, whose per-op interception costs host
-        time (see fastpipe.rng); the choice is kept with the task, so a recompute replays it.
+        time (see fastpipe.rng.streams); the choice is kept with the task, so a recompute replays it.
         """
         stage = self.stages[s]
         draws = self.state.draws.get(s)
@@ -369,7 +369,7 @@ install_task_rng_state()
 
 def _streams(task: _Task) -> Any:
     """The task's streams, current but not routing, around its backward: a torch.utils.checkpoint
-    recompute there draws from them (fastpipe.rng_state); the backward's own ops pay nothing."""
+    recompute there draws from them (fastpipe.rng.state); the backward's own ops pay nothing."""
     rng = task.rng()
     return rng.streams_only() if isinstance(rng, TaskRNG) else contextlib.nullcontext()
 

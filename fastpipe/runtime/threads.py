@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from fastpipe.errors import PipelineError, annotate
-from fastpipe.microbatch import Value
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.inline import inline_workers, run_inline, worker_like
 from fastpipe.runtime.mailbox import Aborted
@@ -34,7 +33,8 @@ from fastpipe.runtime.step import LossSpec, Recorder, Stage, StepRunner, StepSta
 from fastpipe.runtime.transport import LocalTransport
 from fastpipe.runtime.worker import CallerState, WorkerPool
 from fastpipe.schedule import Action, Schedule
-from fastpipe.trace import Timeline
+from fastpipe.step.microbatch import Value
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["LocalRuntime"]
 
@@ -101,7 +101,7 @@ class LocalRuntime:
             grad: build autograd graphs (the caller wants a backward).
             checkpoint: ``checkpoint(mb)`` says whether micro-batch ``mb`` is recomputed in
                 the backward instead of keeping its graph.
-            side: each micro-batch's side inputs (:mod:`fastpipe.side_inputs`).
+            side: each micro-batch's side inputs (:mod:`fastpipe.model.side_inputs`).
         """
         state = StepState(schedule, caller, step_seed, side)
         step = self._step(state, grad=grad, checkpoint=checkpoint, loss=None)

@@ -2,7 +2,7 @@
 
 A :class:`Transport` moves a stage's output activations to the next stage and the
 gradients of a stage's input back to the previous one, keyed by (stage, micro-batch), and
-a skip's tensors (:mod:`fastpipe.skips`) straight from the stage that stashes them to the
+a skip's tensors (:mod:`fastpipe.model.skips`) straight from the stage that stashes them to the
 stage that pops them and their gradients straight back, keyed by (producer, consumer,
 micro-batch). The step logic (:mod:`fastpipe.runtime.step`) only calls these methods, so a
 transport over threads (:class:`LocalTransport`) and one over processes can share it.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastpipe.microbatch import Value, rebuilt, replace_tensors, tensors_of
 from fastpipe.runtime.mailbox import Mailbox
+from fastpipe.step.microbatch import Value, rebuilt, replace_tensors, tensors_of
 
 __all__ = ["Transport", "LocalTransport", "receive"]
 
@@ -46,7 +46,7 @@ class Transport(abc.ABC):
     def send_skip(
         self, producer: int, consumer: int, microbatch: int, value: tuple, requires_grad: Sequence[bool]
     ) -> None:
-        """Deliver the tensors ``producer`` stashed for ``consumer`` (:mod:`fastpipe.skips`), straight to it."""
+        """Deliver the tensors ``producer`` stashed for ``consumer`` (:mod:`fastpipe.model.skips`), straight to it."""
 
     @abc.abstractmethod
     def recv_skip(self, producer: int, consumer: int, microbatch: int) -> tuple:

@@ -21,7 +21,7 @@ from fastpipe.schedule.ir import Action, ActionKind, Schedule, ScheduleError
 from fastpipe.schedule.multistep import build_multistep, update_lag, weight_versions
 from fastpipe.schedule.search import Candidate, Choice, StageCosts
 from fastpipe.schedule.simulate import simulate, simulate_times, span_bubble_fraction
-from fastpipe.trace import Timeline, TimelineEvent
+from fastpipe.trace.timeline import Timeline, TimelineEvent
 
 __all__ = [
     "SCHEDULES",

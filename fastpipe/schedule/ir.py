@@ -107,7 +107,7 @@ class Schedule:
             update of mini-batch ``n`` (synchronous training); False lets them run on older
             weights (asynchronous).
         skips: the ``(producer, consumer)`` stage pairs of the model's skips
-            (:mod:`fastpipe.skips`), sorted: ``F(c, m)`` also reads what ``F(p, m)`` stashed,
+            (:mod:`fastpipe.model.skips`), sorted: ``F(c, m)`` also reads what ``F(p, m)`` stashed,
             and ``B(p, m)`` also reads the gradient ``B(c, m)`` computed for it. Both already
             follow from the stage-to-stage edges, so only the messages they add change: a
             transport that matches messages by order plans them (:mod:`fastpipe.schedule.ordered`).

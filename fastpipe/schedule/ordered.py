@@ -10,7 +10,7 @@ in each round every worker runs its next action if it already has the inputs, th
 one batch (``batch_isend_irecv``) that sends what that action produced and receives what
 was produced for it in the round (1F1B, 2 stages, :func:`format_plan`; ``s``/``r`` send or
 receive the activation ``F`` or gradient ``B`` entering a stage, for a micro-batch; skips of
-:mod:`fastpipe.skips` add ``S`` and ``SB`` messages, see :class:`Message`)::
+:mod:`fastpipe.model.skips` add ``S`` and ``SB`` messages, see :class:`Message`)::
 
     worker 0: 0F0 [sF1/0] 0F1 [sF1/1] [rB0/0] 0BW0 0F2 [sF1/2] [rB0/1] 0BW1 ...
     worker 1: [rF1/0] 1F0 [rF1/1] 1BW0 [sB0/0] 1F1 1BW1 [sB0/1,rF1/2] 1F2 1BW2 ...

@@ -17,7 +17,7 @@ greedy one, then to the order of ``SCHEDULES``. Memory is counted as
 memory alive at once, a stage's activation held from the start of its F to the end of the
 backward that frees its input (its BW, or its B when split). With ``activation`` left at 1 the
 unit is one stage's activation for one micro-batch, as in
-:attr:`~fastpipe.trace.Timeline.peak_activations`.
+:attr:`~fastpipe.trace.timeline.Timeline.peak_activations`.
 
 Example::
 
@@ -38,7 +38,7 @@ from fastpipe.schedule.builders import SCHEDULES, build_for
 from fastpipe.schedule.greedy import GREEDY, checked_costs, greedy_schedule
 from fastpipe.schedule.ir import Schedule, ScheduleError
 from fastpipe.schedule.simulate import peak_memory, simulate_times
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["Candidate", "Choice", "StageCosts", "search"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fastpipe.schedule.ir import COMM_KINDS, Action, Schedule, ScheduleError
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["CompiledSimulation", "Cost", "peak_memory", "simulate", "simulate_times", "span_bubble_fraction"]
 
@@ -100,7 +100,7 @@ def simulate(
     combined: Cost | None = None,
     update: Cost = 0.0,
 ) -> Timeline:
-    """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.Timeline`.
+    """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.timeline.Timeline`.
 
     Args:
         schedule: the schedule to run.
@@ -131,7 +131,7 @@ def span_bubble_fraction(timeline: Timeline) -> float:
     A worker's span runs from the start of its first action to the end of its last. This is the
     bubble of the zero-bubble papers' parallelogram (ZB-H2, ZB-V): each worker is busy without a gap
     over its span, while the spans are staggered by one forward per worker. The staggered start and
-    end are left out here; :attr:`~fastpipe.trace.Timeline.bubble_fraction` counts them, so for one
+    end are left out here; :attr:`~fastpipe.trace.timeline.Timeline.bubble_fraction` counts them, so for one
     isolated step it cannot fall below about ``(K - 1) F / makespan``, since worker ``K - 1`` cannot
     start before ``K - 1`` forwards have run. Communication events count neither as busy nor towards a span.
     """
@@ -158,8 +158,8 @@ def peak_memory(
 
     The activation of ``(stage, mb)`` is alive from the start of its ``F`` to the end of the
     backward that frees the stage input (``BW``, or ``B`` when split), as in
-    :attr:`~fastpipe.trace.Timeline.peak_activations`. A skip ``(producer, consumer, bytes)``
-    (:mod:`fastpipe.skips`, the edges :func:`fastpipe.skip_memory.stage_skip_edges` gives)
+    :attr:`~fastpipe.trace.timeline.Timeline.peak_activations`. A skip ``(producer, consumer, bytes)``
+    (:mod:`fastpipe.model.skips`, the edges :func:`fastpipe.model.skip_memory.stage_skip_edges` gives)
     adds its bytes to the producer's ``(producer, mb)`` and to the consumer's
     ``(consumer, mb)``, each held until that stage's backward, and to no stage between.
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastpipe.auto_schedule import AUTO
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.pipe import Pipe
 from fastpipe.schedule.builders import placement_for
+from fastpipe.step.auto_schedule import AUTO
 from fastpipe.train.models import TrainModel, build_model
 from fastpipe.train.options import ASYNC, StepRunner, TrainError, check_arguments, step_runner, virtual_stages
 from fastpipe.train.ranks import Ranks

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.asynchronous import FitRun, fit
-from fastpipe.trace import Timeline
+from fastpipe.trace.timeline import Timeline
 
 __all__ = ["Batches", "StepRunner", "fit_losses", "step_scheduler", "sync_losses", "traced_window"]
 

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 import torch
 
 from fastpipe.asynchronous import FitRun
-from fastpipe.auto_schedule import AUTO
 from fastpipe.pipe import Pipe
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.multistep import build_multistep
-from fastpipe.trace import Timeline
+from fastpipe.step.auto_schedule import AUTO
+from fastpipe.trace.timeline import Timeline
 from fastpipe.train.evaluate import evaluate, sample_text
 from fastpipe.train.job import Job, stage_workers
 from fastpipe.train.loop import traced_window

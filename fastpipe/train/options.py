@@ -19,10 +19,10 @@ from typing import Any
 from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES
-from fastpipe.auto_schedule import AUTO
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.schedule import SCHEDULES, ScheduleError, build
 from fastpipe.schedule.builders import STAGES_PER_WORKER
+from fastpipe.step.auto_schedule import AUTO
 from fastpipe.train.models import HF_MODELS, MODELS, check_model
 
 __all__ = [

@@ -6,10 +6,10 @@ import json
 import os
 from typing import Any
 
-from fastpipe.plotting import pyplot
 from fastpipe.schedule import Schedule
-from fastpipe.timing import simulate_measured
-from fastpipe.trace import Timeline
+from fastpipe.trace.plotting import pyplot
+from fastpipe.trace.timeline import Timeline
+from fastpipe.trace.timing import simulate_measured
 
 __all__ = ["write_report", "REPORT_KEYS"]
 

@@ -13,13 +13,13 @@ an exclusive lock (``DIR/.run.pt.lock``: a second run saving into DIR raises): a
 at any moment leaves ``run.pt`` naming complete model files. Older model files are removed
 only after the new record is in place. A resume checks the newest model file against its
 size and CRC-32; one that fails is named in a warning and the save before it is loaded
-instead; with neither intact it raises :class:`~fastpipe.commit.CheckpointCorruptError`.
+instead; with neither intact it raises :class:`~fastpipe.checkpoint.commit.CheckpointCorruptError`.
 A ``run.pt`` without checksums (an earlier fastpipe's) loads with a warning that its model
 file cannot be verified. Nothing else needs saving: the data of step ``n`` and the
 learning rate are functions of ``n``.
 
 Under torchrun every rank calls :func:`save_run` and :func:`load_run`, and a
-:class:`~fastpipe.DistributedPipe` saves sharded instead (:mod:`fastpipe.checkpoints`):
+:class:`~fastpipe.DistributedPipe` saves sharded instead (:mod:`fastpipe.checkpoint.loop`):
 ``DIR/step-000120/`` holds each rank's shard and, written last, the commit record with
 the files' sizes and checksums; the two newest complete ones are kept, and a resume skips
 one whose files fail their record (with a warning naming the file) for the one before.
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastpipe.checkpoints import resume_or_start, save_checkpoint
-from fastpipe.commit import CheckpointCorruptError, SaveLock, atomic_write, file_entries, latest, verify
+from fastpipe.checkpoint.commit import CheckpointCorruptError, SaveLock, atomic_write, file_entries, latest, verify
+from fastpipe.checkpoint.loop import resume_or_start, save_checkpoint
+from fastpipe.checkpoint.serialization import load_file, write_file
 from fastpipe.distributed_pipe import DistributedPipe
-from fastpipe.serialization import load_file, write_file
 
 __all__ = ["RUN_FORMAT", "check_compatible", "has_run", "load_run", "save_run"]
 

@@ -10,10 +10,11 @@ import torch
 from _fit_resume import whole_and_resumed
 from torch import Tensor, nn
 
-from fastpipe import Pipe, microbatch
+from fastpipe import Pipe
 from fastpipe.asynchronous import predict_weights, update_direction, weight_copy_bytes
 from fastpipe.asynchronous.weights import StageWeights
 from fastpipe.schedule import ScheduleError
+from fastpipe.step import microbatch
 
 
 def model(seed: int = 3) -> nn.Sequential:

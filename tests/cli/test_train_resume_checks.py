@@ -14,8 +14,8 @@ from _damage import flip_tensor_bytes
 from test_train_cli import TINY
 from torch import nn
 
+from fastpipe.checkpoint.commit import CheckpointError, SaveLock, atomic_write
 from fastpipe.cli import main
-from fastpipe.commit import CheckpointError, SaveLock, atomic_write
 from fastpipe.train.resume import RUN_FORMAT, save_run
 
 

@@ -82,7 +82,7 @@ def _sharded_weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
     """The same of a sharded checkpoint (every rank's share; rank 0's RNG, which draws the seeds)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from fastpipe.commit import read_record, step_dir
+    from fastpipe.checkpoint.commit import read_record, step_dir
 
     path = step_dir(str(folder), step)
     record = read_record(path)

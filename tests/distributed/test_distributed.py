@@ -22,7 +22,7 @@ K = 8 * HIDDEN + HIDDEN + 16
 
 
 def transport_of(pipe: object) -> str:
-    from fastpipe.runtime.p2p_ordered import OrderedTransport
+    from fastpipe.distributed.p2p_ordered import OrderedTransport
 
     return "ordered" if isinstance(pipe.runtime.transport, OrderedTransport) else "tags"  # type: ignore[attr-defined]
 

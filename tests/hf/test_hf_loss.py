@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
 import fastpipe  # noqa: E402
 from fastpipe.hf import causal_lm_loss  # noqa: E402
-from fastpipe.step_rules import microbatch_loss, microbatch_weights  # noqa: E402
+from fastpipe.step.rules import microbatch_loss, microbatch_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,7 +16,7 @@ from torch import nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.step_rules import TokenNormalised
+from fastpipe.step.rules import TokenNormalised
 
 
 def model() -> nn.Sequential:

@@ -87,7 +87,7 @@ def test_normalises_each_micro_batch_like_torch():
 
 def test_slots_accumulate_and_commit_apart():
     # Pipe.fit gives each mini-batch its own slot: committing one leaves the others (and the default) pending.
-    from fastpipe.batchnorm import accumulating_into
+    from fastpipe.model.batchnorm import accumulating_into
 
     torch.manual_seed(0)
     a, b, c = torch.randn(6, 3), torch.randn(6, 3) + 5, torch.randn(6, 3) - 5
@@ -200,7 +200,7 @@ def test_no_host_sync_and_no_activation_sized_fp64_tensor():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_statistics_widen_a_slice_at_a_time(monkeypatch, dtype):
-    import fastpipe.batchnorm as bn
+    import fastpipe.model.batchnorm as bn
 
     x = torch.randn(12, 3, 5, dtype=torch.float32).mul(3).add(1).to(dtype)
     whole = DeferredBatchNorm(3).to(dtype)

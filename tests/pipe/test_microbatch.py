@@ -3,8 +3,8 @@ import warnings
 import pytest
 import torch
 
-from fastpipe import microbatch
-from fastpipe.microbatch import gather, scatter
+from fastpipe.step import microbatch
+from fastpipe.step.microbatch import gather, scatter
 
 
 def test_even_split():

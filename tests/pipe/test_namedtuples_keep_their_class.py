@@ -15,8 +15,8 @@ from fp_tolerance import assert_close_reordered
 from torch import Tensor, nn
 
 import fastpipe
-from fastpipe.microbatch import gather, replace_tensors, scatter, to_device
-from fastpipe.runtime.wire import assemble, pack, unpack, value_kind
+from fastpipe.distributed.wire import assemble, pack, unpack, value_kind
+from fastpipe.step.microbatch import gather, replace_tensors, scatter, to_device
 
 Masked = collections.namedtuple("Masked", "value mask")
 

@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
-from fastpipe.microbatch import scatter, tensors_of
-from fastpipe.partition import first_layer_in_place
+from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.model.partition import first_layer_in_place
+from fastpipe.step.microbatch import scatter, tensors_of
 
 DTYPE = torch.float64
 # 1e3 × the reduction size (≤ 64 here) × eps: above any rounding, below any real difference.

@@ -1,11 +1,11 @@
-"""The step's rules, decided once (fastpipe.step_rules), give the same answer through every face."""
+"""The step's rules, decided once (fastpipe.step.rules), give the same answer through every face."""
 
 import pytest
 import torch
 from torch import nn
 
 from fastpipe import DistributedPipe, Pipe
-from fastpipe.step_rules import (
+from fastpipe.step.rules import (
     check_checkpoint,
     check_chunks,
     checkpoint_predicate,

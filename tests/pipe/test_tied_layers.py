@@ -14,7 +14,7 @@ from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.balance import profile_layers
-from fastpipe.partition import tied_blocks
+from fastpipe.model.partition import tied_blocks
 
 
 def tied_model():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fastpipe import DistributedPipe, Pipe
-from fastpipe.step_rules import microbatch_loss, microbatch_weights, target_weight
+from fastpipe.step.rules import microbatch_loss, microbatch_weights, target_weight
 
 CLASSES, HIDDEN, K = 7, 16, 64
 

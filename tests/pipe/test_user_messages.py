@@ -119,7 +119,7 @@ def test_last_timeline_prints_its_size_makespan_and_bubble() -> None:
     assert match is not None, text
     assert int(match.group(1)) == len(timeline.events)
     assert float(match.group(4)) == pytest.approx(100 * timeline.bubble_fraction, abs=0.05)
-    assert repr(fastpipe.trace.Timeline(3)) == "Timeline(3 workers, no events)"
+    assert repr(fastpipe.trace.timeline.Timeline(3)) == "Timeline(3 workers, no events)"
 
 
 def test_distributed_ties_print_each_shared_tensor_and_its_ranks(tmp_path: Path) -> None:

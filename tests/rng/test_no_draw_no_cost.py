@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpipe import kernels
-from fastpipe.rng import TaskRNG, may_draw
+from fastpipe.rng.streams import TaskRNG, may_draw
 from fastpipe.train.model import GPTConfig, LMLoss, build_gpt
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.rng import TaskRNG, task_seed
+from fastpipe.rng.streams import TaskRNG, task_seed
 
 
 def dropout_model():

@@ -1,4 +1,4 @@
-"""torch.utils.checkpoint inside a stage replays its dropout (fastpipe.rng_state)."""
+"""torch.utils.checkpoint inside a stage replays its dropout (fastpipe.rng.state)."""
 
 import threading
 
@@ -7,9 +7,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import fastpipe.rng_state as rng_state
+import fastpipe.rng.state as rng_state
 from fastpipe import Pipe
-from fastpipe.rng import TaskRNG, current_task, register_deterministic
+from fastpipe.rng import register_deterministic
+from fastpipe.rng.streams import TaskRNG, current_task
 
 
 class Block(nn.Module):
@@ -122,7 +123,7 @@ def test_a_fork_outside_any_task_holds_the_generator_locks():
     import threading
 
     import fastpipe  # noqa: F401 - installs the task-aware RNG-state functions
-    from fastpipe.rng import device_lock
+    from fastpipe.rng.streams import device_lock
 
     def free_elsewhere() -> bool:
         got: list[bool] = []

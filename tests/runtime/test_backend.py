@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from fastpipe.runtime.backend import backend_for, parse_backend_config
+from fastpipe.distributed.backend import backend_for, parse_backend_config
 
 
 def test_parse_backend_config():
@@ -28,7 +28,7 @@ def test_group_without_a_backend_is_gloo_for_cpu(tmp_path, backend):
 
 def test_a_group_without_a_backend_for_the_stage_device_is_refused_with_advice(tmp_path):
     # torch 2.13 on a CUDA host: init_process_group() without backend= configures cuda:nccl only.
-    from fastpipe.runtime.backend import require_backend
+    from fastpipe.distributed.backend import require_backend
 
     dist.init_process_group(backend="cuda:gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -44,7 +44,7 @@ def test_a_group_without_a_backend_for_the_stage_device_is_refused_with_advice(t
 def test_abort_leaves_a_gloo_group_working(tmp_path):
     import torch
 
-    from fastpipe.runtime.backend import abort_nccl
+    from fastpipe.distributed.backend import abort_nccl
 
     dist.init_process_group(backend="gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -59,7 +59,7 @@ def test_abort_leaves_a_gloo_group_working(tmp_path):
 def test_abort_aborts_the_cuda_backend_of_an_nccl_group(monkeypatch):
     import torch
 
-    from fastpipe.runtime import backend as backend_mod
+    from fastpipe.distributed import backend as backend_mod
 
     calls = []
 
@@ -80,7 +80,7 @@ def test_abort_aborts_the_cuda_backend_of_an_nccl_group(monkeypatch):
 def test_abort_falls_back_to_torch_s_group_abort(monkeypatch):
     import torch
 
-    from fastpipe.runtime import backend as backend_mod
+    from fastpipe.distributed import backend as backend_mod
 
     aborted = []
 

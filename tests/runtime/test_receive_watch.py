@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from fastpipe.distributed.watchdog import SendReaper, Watchdog
 from fastpipe.errors import PipelineError
-from fastpipe.runtime.watchdog import SendReaper, Watchdog
 
 
 class FakeWork:

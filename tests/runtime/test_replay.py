@@ -18,7 +18,8 @@ from torch import nn
 import fastpipe.runtime.step as step_core
 from fastpipe import Pipe
 from fastpipe.kernels import Dropout as FusedDropout
-from fastpipe.rng import TaskRNG, may_draw, register_deterministic, register_random_op, task_seed
+from fastpipe.rng import register_deterministic, register_random_op
+from fastpipe.rng.streams import TaskRNG, may_draw, task_seed
 
 DIM = 8
 
@@ -164,7 +165,7 @@ def test_concurrent_cpu_stages_draw_from_their_own_streams():
 def test_random_ops_replay_under_task_rng_across_threads():
     # The same task seed replays SDPA's dropout in other threads while another task draws
     # from the same default generator all along. (A thread drawing outside any task is not
-    # covered: it races with the tasks, as with any other thread; see fastpipe.rng.)
+    # covered: it races with the tasks, as with any other thread; see fastpipe.rng.streams.)
     x = torch.randn(2, 2, 8, 4)
     results = {}
     stop = threading.Event()
@@ -259,7 +260,7 @@ def test_unrouted_draw_warns_and_registering_routes_it():
         for a, b in zip(never[1], always[1]):
             assert torch.equal(a, b)
     finally:
-        from fastpipe.rng import RANDOM_OPS
+        from fastpipe.rng.streams import RANDOM_OPS
 
         RANDOM_OPS.discard(op)
 

@@ -17,9 +17,9 @@ from _dist_utils import check_ok, run_ranks
 from torch import nn
 
 from fastpipe import Pipe
+from fastpipe.distributed.ranks import order_matched
 from fastpipe.runtime import threads, wgrad
 from fastpipe.runtime.options import RuntimeOptions
-from fastpipe.runtime.ranks import order_matched
 
 VARIABLES = ("FASTPIPE_FUSED_WGRAD", "FASTPIPE_WGRAD_BATCH", "FASTPIPE_TUNE_MALLOC", "FASTPIPE_P2P")
 

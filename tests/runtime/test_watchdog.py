@@ -1,4 +1,4 @@
-"""Bounded waits (fastpipe.runtime.watchdog) with fake Work handles: the polling path NCCL takes, on CPU."""
+"""Bounded waits (fastpipe.distributed.watchdog) with fake Work handles: the polling path NCCL takes, on CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 from _dist_utils import check_ok, run_ranks
 from torch import nn
 
+from fastpipe.distributed.watchdog import SendReaper, Watchdog
 from fastpipe.errors import PipelineError
-from fastpipe.runtime.watchdog import SendReaper, Watchdog
 
 
 class FakeWork:
@@ -112,7 +112,7 @@ def test_a_failure_runs_the_aborts_once_after_telling_the_peers() -> None:
 
 
 def _fails_in_its_loss(rank: int, world: int) -> dict:
-    import fastpipe.runtime.distributed as distributed
+    import fastpipe.distributed.runtime as distributed
     from fastpipe.distributed_pipe import DistributedPipe
 
     aborted: list[object] = []

@@ -13,10 +13,10 @@ from torch import nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.auto_schedule import AutoSchedule
 from fastpipe.balance import profile_layers
 from fastpipe.schedule import SCHEDULES
 from fastpipe.schedule.simulate import peak_memory
+from fastpipe.step.auto_schedule import AutoSchedule
 
 
 def reference(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -92,7 +92,7 @@ def test_plan_of_a_deadlocking_schedule_raises() -> None:
 
 
 def test_nccl_needs_stages_on_the_current_gpu_and_a_known_transport() -> None:
-    from fastpipe.runtime.ranks import check_nccl_device, order_matched
+    from fastpipe.distributed.ranks import check_nccl_device, order_matched
 
     with pytest.raises(ValueError, match="CUDA tensors.*gloo group for CPU stages"):
         check_nccl_device(torch.device("cpu"))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from fastpipe.schedule import build, simulate
-from fastpipe.trace import Timeline, TimelineEvent
+from fastpipe.trace.timeline import Timeline, TimelineEvent
 
 pytest.importorskip("matplotlib")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastpipe.schedule import build, simulate
-from fastpipe.trace import Timeline, TimelineEvent
+from fastpipe.trace.timeline import Timeline, TimelineEvent
 
 
 def test_summaries_on_a_hand_made_timeline() -> None:

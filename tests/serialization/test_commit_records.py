@@ -9,8 +9,16 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe import Pipe, dcp
-from fastpipe.commit import RECORD, CheckpointCorruptError, complete_checkpoints, latest, read_record, step_dir
+from fastpipe import Pipe
+from fastpipe.checkpoint import dcp
+from fastpipe.checkpoint.commit import (
+    RECORD,
+    CheckpointCorruptError,
+    complete_checkpoints,
+    latest,
+    read_record,
+    step_dir,
+)
 
 HIDDEN = 8
 

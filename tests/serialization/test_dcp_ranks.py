@@ -16,8 +16,9 @@ from fp_tolerance import assert_close_reordered
 from torch import nn
 
 import fastpipe
-from fastpipe import Pipe, dcp
-from fastpipe.commit import latest, read_record, step_dir
+from fastpipe import Pipe
+from fastpipe.checkpoint import dcp
+from fastpipe.checkpoint.commit import latest, read_record, step_dir
 
 TIMEOUT = 15.0
 # Reductions from input to loss (8 Linears of HIDDEN inputs, the mean over a batch of 8 x HIDDEN)

@@ -15,8 +15,8 @@ from _damage import flip_tensor_bytes
 from torch import nn
 
 import fastpipe
-from fastpipe import commit, serialization
-from fastpipe.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError
+from fastpipe.checkpoint import commit, serialization
+from fastpipe.checkpoint.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:

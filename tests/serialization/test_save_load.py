@@ -14,7 +14,7 @@ from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.serialization import load, save
+from fastpipe.checkpoint.serialization import load, save
 
 
 def _save_on_four(rank: int, world: int, path: str) -> list[float]:

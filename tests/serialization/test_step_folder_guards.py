@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe import dcp
-from fastpipe.commit import CheckpointError, CheckpointKeyError, latest, read_record, step_dir
+from fastpipe.checkpoint import dcp
+from fastpipe.checkpoint.commit import CheckpointError, CheckpointKeyError, latest, read_record, step_dir
 
 
 def layers(n: int, width: int = 4, seed: int = 0) -> nn.Sequential:
@@ -91,7 +91,7 @@ def test_a_shape_that_differs_raises_a_fastpipe_error_that_leads_with_the_cause(
         dcp.load(folder, layers(2, width=3))
     assert isinstance(info.value, CheckpointError)
     first_line = str(info.value).splitlines()[0]
-    assert first_line.startswith(f"fastpipe.dcp: could not load {folder}: rank 0: ValueError: Size mismatch")
+    assert first_line.startswith(f"fastpipe.checkpoint.dcp: could not load {folder}: rank 0: ValueError: Size mismatch")
     assert "for model.0.0.bias" in first_line
     assert type(info.value.__cause__).__name__ == "CheckpointException"
 
@@ -133,7 +133,7 @@ def test_a_full_disk_raises_a_fastpipe_error_and_keeps_the_previous_checkpoint(t
         if isinstance(pending, dcp.PendingSave):
             pending.wait()
     first_line = str(info.value).splitlines()[0]
-    assert first_line.startswith(f"fastpipe.dcp: could not save {step_dir(root, 2)}: rank 0: OSError")
+    assert first_line.startswith(f"fastpipe.checkpoint.dcp: could not save {step_dir(root, 2)}: rank 0: OSError")
     assert "File too large" in first_line
     assert read_record(step_dir(root, 2)) is None and latest(root) == step_dir(root, 1)
     into = layers(2, seed=3)

@@ -28,7 +28,7 @@ def test_auto_balance_plans_a_model_with_skips():
 
 def test_a_memory_limit_counts_the_skips_on_their_stash_and_pop_layers(monkeypatch):
     import fastpipe.balance.auto as auto
-    from fastpipe.skip_memory import measure_skips
+    from fastpipe.model.skip_memory import measure_skips
 
     seen: list[list[float]] = []
     real = auto.plan

@@ -6,9 +6,9 @@ import pytest
 import torch
 from _unet import unet
 
+from fastpipe.model.skip_memory import SkipSpan, measure_skips, skip_bytes, stage_skip_edges
 from fastpipe.schedule import build
 from fastpipe.schedule.simulate import peak_memory, simulate
-from fastpipe.skip_memory import SkipSpan, measure_skips, skip_bytes, stage_skip_edges
 
 D1, D2 = 4 * 8 * 4, 4 * 6 * 4  # bytes of d1 ([4, 8] float32) and d2 ([4, 6]) for a micro-batch of 4
 

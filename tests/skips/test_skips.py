@@ -86,7 +86,7 @@ class SpyTransport(LocalTransport):
         self.log = log
 
     def send_activation(self, stage, microbatch, value, requires_grad):
-        self.log.append(("act", stage, tuple(t.shape for t in fastpipe.microbatch.tensors_of(value))))
+        self.log.append(("act", stage, tuple(t.shape for t in fastpipe.step.microbatch.tensors_of(value))))
         super().send_activation(stage, microbatch, value, requires_grad)
 
     def send_skip(self, producer, consumer, microbatch, value, requires_grad):

@@ -34,8 +34,8 @@ def recorded(transport) -> list[tuple[int, int, int]]:
 
 def _train(rank: int, world: int) -> list[str]:
     from fastpipe import Pipe
+    from fastpipe.distributed.wire import skip_kind
     from fastpipe.distributed_pipe import DistributedPipe
-    from fastpipe.runtime.wire import skip_kind
 
     problems = []
     for (name, v, balance), checkpoint in zip(RUNS, ["always", "except_last", "never", "except_last"]):
@@ -97,8 +97,8 @@ def test_a_bad_declaration_is_refused_on_every_rank() -> None:
 
 def _three_ranks(rank: int, world: int) -> list[str]:
     from fastpipe import Pipe
+    from fastpipe.distributed.wire import skip_kind
     from fastpipe.distributed_pipe import DistributedPipe
-    from fastpipe.runtime.wire import skip_kind
 
     problems = []
     for name in ("1f1b", "zb-h1"):
