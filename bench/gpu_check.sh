@@ -1,110 +1,137 @@
 #!/usr/bin/env bash
-# GPU check: build in place, then the checks in the order of what their figures are worth, each
-# under its own limit, all under one deadline; prints a table.
+# GPU check: the library probe, the build, then the tests in the order of what their results are
+# worth, each under its own limit, all under one deadline.
 #
-# One global deadline (GPU_CHECK_DEADLINE seconds, default 420): a lent GPU host gives 15 minutes
-# in all, its start included, so one call of at most 540 s must return what matters most and
-# leave time for a rerun. The step limits below sum to 420 s. Each step gets min(its own limit,
-# time left) and is killed at the end of it, so a hanging step costs its limit, never the run.
-# A step that fails says why: timed out, or its exit code and the last lines of its output.
+# The budget: a lent GPU host gives 15 minutes in all, its start included, and one call of at most
+# 540 s, of which about 60 s go to setting up. So the steps run under one deadline
+# (GPU_CHECK_DEADLINE, default 460 s) and their limits sum to it (tests/package/test_gpu_check_dry_run.py
+# holds them to that). Each step gets min(its own limit, time left) and is killed at the end of it,
+# so a hanging step costs its limit, never the run.
 #
-# The order, most valuable first:
-#   1. build;
-#   2. the device-thread and placement tests (every gpu test outside tests/kernels), before Triton
-#      compiles anything cold;
-#   3. pipe_gpu: Pipe(x)+backward on cuda:0 x2 against gradient accumulation, memory per mode;
-#   4. the kernel tests (gpu-marked tests/kernels);
-#   5. one kernel timing table against eager (python -m fastpipe.bench.kernels);
-#   6. the NCCL smoke test;
-#   7. `fastpipe bench --quick`, with what is left.
+# The order, most valuable first (docs/gpu.md says what each result means):
+#   probe    library versions and which at-risk calls exist (bench/gpu_probe.py)
+#   build    pip install --no-build-isolation --no-deps -e .
+#   core     the runtime and Pipe tests on CUDA: fastpipe._C's streams, the deferred and batched
+#            weight gradients, Pipe on cuda:0 x2 and cpu+cuda:0, replay, RNG state
+#   streams  stream stress on start_transfer, gradient equality per schedule, the sync audit
+#   nccl     DistributedPipe on one NCCL rank (two ranks on one GPU are refused by NCCL)
+#   kernels  the gpu-marked Triton kernel tests
+#   pipe_gpu the Pipe-on-GPU bench: speed and memory per mode
+#   cli      `fastpipe train`/`bench` on the GPU and fit (they compile Triton cold, so last)
 #
-# Output, flat and small, in $OUT/gpu_check (default /tmp/gpu_check), at most 8 files:
-#   check.log        every step's output, one after the other (pytest's --durations included)
-#   summary.json     one record per step: name, status, seconds, reason, JSON result
-#   hang_dump.txt    stacks of all threads of a gpu test that ran past its limit (if any)
-#   junit_pipe.xml, junit_kernels.xml   the two test steps, test by test
-#   pipe_gpu.json    the Pipe-on-GPU bench
-#   bench.json, bench_results.md   `fastpipe bench --quick` (its PNG charts stay on the host)
+# What survives a kill at any second, in $OUT/gpu_check (at most 8 files, flat):
+#   check.log      every step's output, written live (pytest -v names each test as it ends)
+#   steps.jsonl    one record per finished step, appended as the step ends: name, status,
+#                  seconds, limit_s, reason, result (a command's last "JSON " line)
+#   hang_dump.txt  stacks of all threads of a gpu test that ran past its limit (if any)
+#   sync_audit.txt the host syncs one bf16 zb-h1 step makes, by file:line
+#   pipe_gpu.json  the Pipe-on-GPU bench
+#   step.log       the output of the step running now (or last)
 #
-# To add a benchmark, add one line to CHECKS below: "name|limit_s|command", and take its
-# seconds from another step's limit. A command's last line starting with "JSON " is its result
-# for the summary.
+# GPU_CHECK_DRY_RUN=1: no build, no CUDA; every step runs `sleep $GPU_CHECK_DRY_RUN_STEP_S`
+# (default 0) instead of its command, and records status "dry-run". CI uses it to check the
+# order, the budget and what a kill leaves.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+# Python buffers a pipe's output in blocks: unbuffered, a killed step has written what it printed.
+export PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-/tmp}/gpu_check"
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/check.log"
-SUMMARY_JSON="$OUT_DIR/summary.json"
+STEPS="$OUT_DIR/steps.jsonl"
+STEP_LOG="$OUT_DIR/step.log"
 : >"$LOG"
+: >"$STEPS"
 START=$(date +%s)
-DEADLINE=$((START + ${GPU_CHECK_DEADLINE:-420}))
+DEADLINE=$((START + ${GPU_CHECK_DEADLINE:-460}))
+DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 # gpu tests: a per-test limit with all threads' stacks (tests/conftest.py).
 export FASTPIPE_GPU_TEST_TIMEOUT="${FASTPIPE_GPU_TEST_TIMEOUT:-60}"
 export FASTPIPE_HANG_DUMP="$OUT_DIR/hang_dump.txt"
+export FASTPIPE_SYNC_AUDIT="$OUT_DIR/sync_audit.txt"
 
-PYTEST="python -m pytest -m gpu -q -p no:cacheprovider -p no:timeout -rfE --durations=15"
+# -v: a run cut short still names every test that finished; -x is left out so one failure does
+# not hide the others (a hang stops the session by itself, tests/conftest.py).
+PYTEST="python -m pytest -m gpu -v -p no:cacheprovider -p no:timeout -rfE --durations=10"
+CORE="tests/runtime/test_c_runtime_gpu.py tests/runtime/test_deferred_wgrad.py tests/runtime/test_wgrad.py
+  tests/pipe/test_gpu.py tests/runtime/test_replay.py tests/pipe/test_misuse.py tests/rng/test_rng_state.py"
+STREAMS="tests/runtime/test_gpu_stream_stress.py tests/pipe/test_gpu_gradients.py"
+CLI="tests/cli/test_train_bench_gpu.py tests/asynchronous/test_fit.py tests/asynchronous/test_fit_deferred_batch_norm.py"
+# "name|limit_s|command", in the order they run. The limits sum to the default deadline.
 CHECKS=(
+  "probe|20|python bench/gpu_probe.py"
   "build|60|pip install --no-build-isolation --no-deps -e . -q"
-  "gpu-pipe-tests|80|$PYTEST --ignore=tests/kernels --junitxml=$OUT_DIR/junit_pipe.xml"
+  "core|90|$PYTEST ${CORE//$'\n'/ }"
+  "streams|60|$PYTEST $STREAMS"
+  # One NCCL rank: CUDA + NCCL start-up and a spawn take 7-10 s on a cold host, so 25 s a case.
+  "nccl|40|python bench/nccl_smoke.py --limit 25"
+  "kernels|75|$PYTEST tests/kernels"
   "pipe_gpu|45|python bench/pipe_gpu.py --json $OUT_DIR/pipe_gpu.json"
-  "gpu-kernel-tests|80|$PYTEST tests/kernels --junitxml=$OUT_DIR/junit_kernels.xml"
-  "kernel-table|35|python -m fastpipe.bench.kernels --no-compile"
-  "nccl|30|python bench/nccl_smoke.py --limit 9"
-  # The suite users run: e2e, schedules, distributed, copy, kernels, memory, quick sizes, in what is left.
-  # Its PNGs stay on the host (the output stays at most 8 files); the JSON and the markdown table are copied.
-  "bench|90|fastpipe bench --quick --no-progress --out /tmp/fastpipe_bench; rc=\$?; cp /tmp/fastpipe_bench/bench.json $OUT_DIR/bench.json; cp /tmp/fastpipe_bench/results.md $OUT_DIR/bench_results.md; exit \$rc"
+  "cli|70|$PYTEST $CLI"
 )
-# Kernel tuning needs ~4 more minutes and the Liger-Kernel wheel, so it runs as a command of
-# its own (docs/gpu.md): `python bench/kernel_tune.py --budget 200 --json $OUT/kernel_tune.json`.
+# Not in the 540 s call (run them on their own when time is left, docs/gpu.md):
+#   python -m fastpipe.bench.kernels --no-compile; fastpipe bench --quick; bench/kernel_tune.py.
+
+CURRENT=""
+record() {  # name status seconds limit reason json: one JSONL line, appended at once
+  python -c 'import json,sys; a=sys.argv; print(json.dumps({"name": a[1], "status": a[2], "seconds": int(a[3]),
+      "limit_s": int(a[4]), "reason": a[5], "result": json.loads(a[6]) if a[6] else None}))' "$@" >>"$STEPS" 2>/dev/null ||
+    echo "{\"name\": \"$1\", \"status\": \"$2\", \"seconds\": $3, \"limit_s\": $4}" >>"$STEPS"
+}
+# Stopped from outside (SIGTERM/SIGINT; SIGKILL cannot be caught): the step cut short says so.
+on_stop() {
+  [[ -n "$CURRENT" ]] && record "$CURRENT" "KILLED" "$(($(date +%s) - t0))" 0 "the whole check was stopped" ""
+  exit 143
+}
+trap on_stop TERM INT
 
 declare -a ROWS=()
-RECORDS=""
 FAILED=0
 for entry in "${CHECKS[@]}"; do
   IFS='|' read -r name limit cmd <<<"$entry"
+  shown=$cmd
+  ((DRY_RUN)) && cmd="sleep ${GPU_CHECK_DRY_RUN_STEP_S:-0}" shown="(dry run) sleep instead of: $shown"
   left=$((DEADLINE - $(date +%s)))
   if ((left < 5)); then
     status="SKIPPED" reason="global deadline reached" secs=0 json=""
     FAILED=1
   else
     ((limit > left)) && limit=$left
-    echo "=== $name (limit ${limit}s): $cmd" | tee -a "$LOG"
-    step_log=$(mktemp)
+    echo "=== $name (limit ${limit}s): $shown" | tee -a "$LOG"
+    CURRENT=$name
     t0=$(date +%s)
-    # SIGTERM at the limit, SIGKILL 5 s later: a hang cannot outlive its slot.
-    timeout -k 5 "$limit" bash -c "$cmd" >"$step_log" 2>&1
-    rc=$?
+    # SIGTERM at the limit, SIGKILL 5 s later, to the step's whole process group: a hang cannot
+    # outlive its slot. Its output goes live into check.log and step.log.
+    timeout -k 5 "$limit" bash -c "$cmd" 2>&1 | tee "$STEP_LOG" >>"$LOG"
+    rc=${PIPESTATUS[0]}
+    CURRENT=""
     secs=$(($(date +%s) - t0))
-    cat "$step_log" >>"$LOG"
-    tail -n 12 "$step_log"
-    json=$(grep '^JSON ' "$step_log" | tail -n 1 | cut -c6-)
+    tail -n 12 "$STEP_LOG"
+    json=$(grep '^JSON ' "$STEP_LOG" | tail -n 1 | cut -c6-)
     if ((rc == 0)); then
       status="ok" reason=""
+      ((DRY_RUN)) && status="dry-run" reason="not run: GPU_CHECK_DRY_RUN"
     else
       FAILED=1
       if ((rc == 124 || rc == 137)); then
         status="TIMEOUT" reason="killed after ${limit}s (see hang_dump.txt / check.log for stacks)"
       else
-        why=$(grep -E 'Error|error:|FAILED|Timeout|Killed' "$step_log" | tail -n 1)
-        [[ -z "$why" ]] && why=$(grep -v '^\s*$' "$step_log" | tail -n 1)
+        why=$(grep -E 'Error|error:|FAILED|Timeout|Killed' "$STEP_LOG" | tail -n 1)
+        [[ -z "$why" ]] && why=$(grep -v '^\s*$' "$STEP_LOG" | tail -n 1)
         status="FAIL" reason="exit $rc: ${why:0:200}"
       fi
     fi
-    rm -f "$step_log"
   fi
-  ROWS+=("$(printf '%-16s %-8s %4ss  %s' "$name" "$status" "$secs" "${reason:-${json:0:150}}")")
-  rec=$(python3 -c 'import json,sys; a=sys.argv; print(json.dumps({"name": a[1], "status": a[2], "seconds": int(a[3]),
-      "reason": a[4], "result": json.loads(a[5]) if a[5] else None}))' "$name" "$status" "$secs" "${reason:-}" "${json:-}" \
-      2>/dev/null || echo "{\"name\": \"$name\", \"status\": \"$status\"}")
-  RECORDS="${RECORDS:+$RECORDS,}$rec"
+  record "$name" "$status" "$secs" "$limit" "${reason:-}" "${json:-}"
+  ROWS+=("$(printf '%-10s %-8s %4ss  %s' "$name" "$status" "$secs" "${reason:-${json:0:150}}")")
 done
 
-echo "[$RECORDS]" >"$SUMMARY_JSON"
 echo
 echo "=== gpu_check summary ($(($(date +%s) - START))s total; files in $OUT_DIR)"
-printf '%-16s %-8s %5s  %s\n' check status time "result / why it failed"
+printf '%-10s %-8s %5s  %s\n' check status time "result / why it failed"
 for row in "${ROWS[@]}"; do echo "$row"; done
+[[ -s "$FASTPIPE_SYNC_AUDIT" ]] && { echo "--- sync audit (head)"; head -n 30 "$FASTPIPE_SYNC_AUDIT"; }
 [[ -s "$FASTPIPE_HANG_DUMP" ]] && { echo "--- hang dump (head)"; head -n 60 "$FASTPIPE_HANG_DUMP"; }
 exit "$FAILED"
