@@ -29,6 +29,15 @@ pipeline's forward phase held M of them). "accumulate" has dW from pass 1 and ke
 its fp32 accumulator already costs weight-sized memory. For ``reduction="none"``, and for fp16
 (whose gradients would underflow before a GradScaler's factor arrives), forward computes only
 the losses; backward reruns the passes with the per-token scales.
+
+Backward computes only the gradients the engine will deliver. A pipeline's split backward
+runs this node twice: B asks for the input gradient alone, W for the weight's::
+
+    B:  loss ──▶ [LCE backward] ──dx──▶ previous layers          pass 2 (dW) skipped
+    W:  loss ──▶ [LCE backward] ──dW──▶ AccumulateGrad(weight)   pass 2 runs here
+
+so the two vocabulary-sized GEMMs of dW stay off B, the critical path of the last stage,
+which the zero-bubble schedules count on, and no dW is held from B to W.
 """
 
 from __future__ import annotations
@@ -83,7 +92,6 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         ctx.autocast = autocast_state(x)
         ctx.scaled_by = None  # the upstream gradient the saved gradients were scaled by, once
         ctx.dw_later = dw_later
-        ctx.dw_for = None  # (upstream gradient, dW, its version) of the last backward
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
         needs = (need_dx, need_dw and not dw_later, need_db)
         with torch.autocast(x.device.type, enabled=False):
@@ -115,6 +123,30 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             return _LinearCrossEntropyFn._backward(ctx, g)
 
     @staticmethod
+    def _wanted(ctx: Any) -> tuple[bool, bool, bool]:
+        """Whether the engine will deliver the gradient of x, weight and bias in this run.
+
+        ``needs_input_grad`` is fixed at forward; a ``torch.autograd.grad`` towards some inputs
+        only (a split backward's B or W) runs this node while leaving the others' edges dead,
+        so their GEMMs would be thrown away.
+        """
+        nodes = [fn for fn, _ in ctx.next_functions]  # one per tensor input: x, weight, target[, bias]
+        need = ctx.needs_input_grad
+        bias_node = nodes[3] if len(nodes) > 3 else None
+
+        def runs(node: Any) -> bool:
+            if node is None:
+                return False
+            try:
+                return bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:
+                # Raised for a leaf that ``torch.autograd.grad`` captures, i.e. one whose
+                # gradient it returns: wanted. Any other refusal computes the gradient too.
+                return True
+
+        return need[0] and runs(nodes[0]), need[1] and runs(nodes[1]), need[3] and runs(bias_node)
+
+    @staticmethod
     def _scaled_grads(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The gradients forward computed, times the upstream gradient ``g``.
 
@@ -126,9 +158,12 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         """
         grads = ctx.grads
         if ctx.scaled_by is None:
+            g32 = g.float()
             for t in grads:
                 if t is not None:
-                    t.mul_(g)
+                    t.mul_(g32)
+            # The engine's own ``g``, not a converted copy: the identity test below then holds
+            # when the node runs again, and the host does not sync on a comparison.
             ctx.scaled_by = (g, [t._version if t is not None else 0 for t in grads])
         else:
             first, versions = ctx.scaled_by
@@ -144,22 +179,14 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                         "linear_cross_entropy's first backward had a zero upstream gradient, which erased "
                         "the gradients it computed in forward; use reduction='none' to backpropagate again"
                     )
-                ratio = g / first
+                ratio = g.float() / first.float()
                 grads = tuple(t * ratio.to(t.dtype) if t is not None else None for t in grads)
         dx, dw, db = grads
         return dx, dw, None, db, None, None, None
 
     @staticmethod
     def _later_dw(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        """dW for the upstream gradient ``g``, by pass 2 from forward's log-sum-exps.
-
-        Kept for a later call with the same ``g`` (a pipeline's split backward runs the node
-        again for its weight pass) while nobody wrote into it; any other call recomputes it.
-        """
-        if ctx.dw_for is not None:
-            first, dw, version = ctx.dw_for
-            if first is g and dw._version == version:
-                return dw
+        """dW for the upstream gradient ``g``, by pass 2 from forward's log-sum-exps."""
         shape, _, reduction, ignore_index, chunk_size, _ = ctx.meta
         x, weight, tgt, bias = ctx.saved_tensors
         cdt = _compute_dtype(x)
@@ -168,18 +195,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         scale = g32.expand(tgt.numel()).contiguous()  # fp32, folded in before anything is rounded
         w, b = weight.to(cdt), bias.to(cdt) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False):
-            dw = _weight_grad(x2, w, b, tgt, ignore_index, scale, ctx.lse, chunk_size).to(weight.dtype)
-        ctx.dw_for = (g, dw, dw._version)
-        return dw
+            return _weight_grad(x2, w, b, tgt, ignore_index, scale, ctx.lse, chunk_size).to(weight.dtype)
 
     @staticmethod
     def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape, x_dtype, reduction, ignore_index, chunk_size, deferred = ctx.meta
+        need_dx, need_dw, need_db = _LinearCrossEntropyFn._wanted(ctx)
         if reduction != "none" and not deferred:
-            dx, dw, _, db, *rest = _LinearCrossEntropyFn._scaled_grads(ctx, g.float())
-            return dx, _LinearCrossEntropyFn._later_dw(ctx, g) if ctx.dw_later else dw, None, db, *rest
+            dx, dw, _, db, *rest = _LinearCrossEntropyFn._scaled_grads(ctx, g)
+            if ctx.dw_later:
+                dw = _LinearCrossEntropyFn._later_dw(ctx, g) if need_dw else None
+            return dx, dw, None, db, *rest
         x, weight, tgt, bias = ctx.saved_tensors
-        need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
         hidden = shape[-1]
         cdt = _compute_dtype(x)
         x2 = x.reshape(-1, hidden).to(cdt)

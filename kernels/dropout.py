@@ -30,6 +30,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _dropout_kernel(X, Y, SEED, numel, p, scale, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        # int32 offsets cannot wrap: use_triton leaves 2**31 elements or more to PyTorch, and
+        # BLOCK, a tl.arange length, is a power of two, so it divides 2**31 and the last
+        # block ends at 2**31 - 1 at most.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)

@@ -388,7 +388,7 @@ class _Head(torch.nn.Module):
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_a_pipeline_gets_each_micro_batch_s_weight_gradient_once(schedule, monkeypatch):
     # zb-h1 runs the loss node twice per micro-batch (input pass, then weight pass): dW is
-    # computed in the first and handed to the second, not computed twice or lost.
+    # computed once, not twice or never.
     import fastpipe.kernels.cross_entropy as ce
     from fastpipe import Pipe
 

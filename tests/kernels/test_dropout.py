@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
+from kernel_testutils import INTERPRET
 from torch.utils.checkpoint import checkpoint
 
 from fastpipe.kernels import Dropout, dropout
@@ -97,3 +99,56 @@ def test_cuda_same_seed_same_mask():
     assert torch.equal(a, dropout(x, 0.5))
     rate = (a == 0).float().mean().item()
     assert abs(rate - 0.5) < 0.01
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernel under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("numel", [2**31 - 1, 2**31 - 1000])
+def test_last_block_below_2_31_elements_stays_in_bounds(numel, monkeypatch):
+    """The last program of a launch over just under 2**31 elements touches only [0, numel).
+
+    Its int32 offsets peak at ``cdiv(numel, BLOCK) * BLOCK - 1 <= 2**31 - 1`` as BLOCK (a
+    ``tl.arange`` length) is a power of two, so they cannot wrap negative and slip through the
+    ``offs < numel`` mask. The tensors are stride-0 expansions (no real memory); the
+    interpreter's loads and stores of them are recorded, not performed, and only the last
+    program runs.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from fastpipe.kernels.configs import launch_config
+
+    # The module, not the function that ``fastpipe.kernels`` exports under the same name.
+    dropout_module = importlib.import_module("fastpipe.kernels.dropout")
+
+    x, y = torch.zeros(1).expand(numel), torch.zeros(1).expand(numel)
+    seed = torch.tensor([7], dtype=torch.int64)
+    block = launch_config("elementwise", x.device)["block"]
+    last = -(-numel // block) - 1
+    builder = interpreter.interpreter_builder
+    real_load = builder.create_masked_load
+    touched: dict[str, list[np.ndarray]] = {"load": [], "store": []}
+
+    def offsets(ptrs, mask, base: int) -> np.ndarray:
+        addr = ptrs.data[mask.data].astype(np.int64)
+        return (addr - base) // 4  # fp32 elements
+
+    def load(ptrs, mask, other, *rest):
+        if ptrs.data.size == 1:  # the seed: a real one-element tensor
+            return real_load(ptrs, mask, other, *rest)
+        touched["load"].append(offsets(ptrs, mask, x.data_ptr()))
+        return interpreter.TensorHandle(np.zeros(ptrs.data.shape, np.float32), ptrs.get_element_ty())
+
+    def store(ptrs, value, mask, *rest):
+        touched["store"].append(offsets(ptrs, mask, y.data_ptr()))
+
+    pid = interpreter.TensorHandle(np.array([last], dtype=np.int32), interpreter.tl.int32)
+    monkeypatch.setattr(builder, "create_get_program_id", lambda axis: pid)
+    monkeypatch.setattr(builder, "create_masked_load", load)
+    monkeypatch.setattr(builder, "create_masked_store", store)
+    dropout_module._dropout_kernel[(1,)](x, y, seed, numel, 0.5, 2.0, BLOCK=block, num_warps=1)
+
+    want = np.arange(last * block, numel, dtype=np.int64)
+    for kind in ("load", "store"):
+        (got,) = touched[kind]
+        assert got.min() >= 0 and got.max() < numel, kind
+        assert np.array_equal(np.sort(got), want), kind
