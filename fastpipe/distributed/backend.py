@@ -58,6 +58,13 @@ def abort_nccl(group: Any) -> bool:
     would wait until NCCL's own timeout. Aborting the communicator ends those kernels.
     The group stays registered (the caller still destroys it) but moves no more CUDA
     tensors. A group without NCCL (gloo) is left as it is.
+
+    A torch whose Backend binding has no ``abort`` leaves only torch's
+    ``_abort_process_group``, which also unregisters the group. That is used for a group of
+    the pipeline's own, never for WORLD: there it aborts and unregisters *every* group
+    (gloo side groups included) and the caller's later ``destroy_process_group()`` raises.
+    WORLD is then not aborted (False): the step still fails with PipelineError, but a
+    stream waiting on a hung peer is bounded only by NCCL's own timeout.
     """
     group = group if group is not None else dist.group.WORLD
     if backend_for(group, "cuda") != "nccl":
@@ -65,7 +72,9 @@ def abort_nccl(group: Any) -> bool:
     backend = group._get_backend(torch.device("cuda"))
     if hasattr(backend, "abort"):
         backend.abort()
-    else:  # a torch whose Backend binding has no abort: the whole group (NCCL only, by torch's own check)
+    elif group is dist.group.WORLD:
+        return False
+    else:
         dist.distributed_c10d._abort_process_group(group)
     return True
 

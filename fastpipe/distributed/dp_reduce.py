@@ -10,7 +10,7 @@ gradient at once. The gradients of weights tied across ranks are summed the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Bucket", "start_reduce", "finish_reduce"]
+__all__ = ["Bucket", "connect_replicas", "start_reduce", "finish_reduce"]
+
+
+def connect_replicas(group: Any, device: torch.device, wait: Callable[[Any, str], None]) -> None:
+    """All-reduce one element over the replicas' ``group`` (if any) on ``device``, waited with ``wait``.
+
+    NCCL creates a group's communicator lazily, inside its first collective: without this,
+    the first step's first gradient all-reduce would pay for it. Called while the pipeline
+    is built, on every replica at once.
+    """
+    if group is None:
+        return
+    work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+    wait(work, "the data-parallel group's first all-reduce (connecting the replicas)")
 
 
 @dataclass

@@ -104,7 +104,7 @@ class P2PTransport(Transport):
         self.device = device
         self._local: dict[tuple[int, int, int], Any] = {}
         self._inbound: dict[tuple[int, int, int], _Inbound] = {}
-        self._sends = SendReaper(watchdog.timeout)
+        self._sends = SendReaper(watchdog.timeout, watchdog=watchdog)
         self._buffers: dict[tuple[int, int, int, int], Tensor] = {}
         self._headers: dict[tuple[int, int, int], Tensor] = {}
         self._recv_layout: dict[tuple[int, int, int], tuple[int, ...]] = {}

@@ -71,9 +71,11 @@ class OrderedTransport(P2PTransport):
         self.data_group = group
         self.data_device = device
         self.polls = backend_for(group, device) == "nccl"
-        self._payload_sends = SendReaper(watchdog.timeout, poll=self.polls, device=device)
+        self._payload_sends = SendReaper(watchdog.timeout, poll=self.polls, device=device, watchdog=watchdog)
         # NCCL receives: ordered on the compute stream, bounded by this watch beside it.
-        self._payload_recvs = SendReaper(watchdog.timeout, poll=True, device=device, what="a payload receive on")
+        self._payload_recvs = SendReaper(
+            watchdog.timeout, poll=True, device=device, what="a payload receive on", watchdog=watchdog
+        )
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._arrived: dict[tuple[int, int, int], tuple[list[Any], dict[int, Tensor], list[Any], str]] = {}
 

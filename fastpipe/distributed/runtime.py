@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.distributed.backend import abort_nccl, require_backend
-from fastpipe.distributed.dp_reduce import Bucket, finish_reduce, start_reduce
+from fastpipe.distributed.dp_reduce import Bucket, connect_replicas, finish_reduce, start_reduce
 from fastpipe.distributed.p2p import P2PTransport
 from fastpipe.distributed.p2p_ordered import OrderedTransport
 from fastpipe.distributed.ranks import check_nccl_device, check_rank_stages, check_same_transport, order_matched
-from fastpipe.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog, bounded_barrier
+from fastpipe.distributed.watchdog import DEFAULT_TIMEOUT, FIRST_STEP_TIMEOUT, Watchdog, bounded_barrier, default_store
 from fastpipe.errors import PipelineError, annotate
 from fastpipe.runtime.host_alloc import tune_host_allocator
 from fastpipe.runtime.options import P2P
@@ -55,8 +55,7 @@ class StepOutcome:
 
     Attributes:
         loss: the mini-batch loss (averaged over data-parallel replicas), the same on every rank.
-        nonfinite: where the loss was NaN/inf: ``"micro-batch 3"``, ``"another data-parallel
-            replica"``, or None when it was finite.
+        nonfinite: where the loss was NaN/inf (``"micro-batch 3"``, ``"another data-parallel replica"``) or None.
         param_grads: per local stage, the gradient of each ``stage.params`` entry (dp-averaged).
     """
 
@@ -77,6 +76,7 @@ class DistributedRuntime:
         dp_group: optional data-parallel group of this rank's replicas; gradients are
             averaged over it (bucketed, started as each stage finishes its backward).
         timeout: bound in seconds on every single wait.
+        first_step_timeout: the bound during the first step, slow when cold (Triton compiles, NCCL connections).
         store: the store for the abort side channel (default: the default group's store).
         bucket_bytes: size of one gradient all-reduce bucket.
         recorder: optional ``(worker, action_text, start_s, end_s)`` callback.
@@ -92,6 +92,7 @@ class DistributedRuntime:
         group: Any = None,
         dp_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        first_step_timeout: float = FIRST_STEP_TIMEOUT,
         store: dist.Store | None = None,
         bucket_bytes: int = 25 << 20,
         recorder: Recorder | None = None,
@@ -115,13 +116,9 @@ class DistributedRuntime:
         self.ordered = order_matched(backend, p2p)
         if backend == "nccl":  # before any collective: a misplaced rank must not leave its peers waiting
             check_nccl_device(device)
-        if store is None:
-            try:
-                store = dist.distributed_c10d._get_default_store()
-            except Exception:  # noqa: BLE001 - no side channel: dead peers still time out
-                store = None
+        store = store if store is not None else default_store()
         self.global_rank = dist.get_rank()
-        self.timeout = timeout
+        self.timeout, self.first_step_timeout = timeout, max(timeout, first_step_timeout)
         # Set-up waits are bounded on a gloo group of the pipeline's ranks: the group itself on
         # gloo, else a side group (which also carries the ordered transport's headers). NCCL's
         # own collectives would wait for a dead or misconfigured rank without limit.
@@ -135,6 +132,7 @@ class DistributedRuntime:
         check_same_transport(self.ordered, self.control_group)
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        connect_replicas(dp_group, self.comm_device, self.wait_collective)  # NCCL's communicator now, not in step 1
         routes = share_skip_routes(self.stages, num_stages, self.control_group)  # fastpipe.model.skips
         # Skips are edges of the dataflow: an order-matched transport plans their messages too.
         self.skip_edges = tuple((p, c) for p, sk in enumerate(routes) for c, _ in sk.sends)
@@ -305,6 +303,7 @@ class DistributedRuntime:
                 f"this pipeline's ranks hold them as {list(self.placement)}; build the pipe with that schedule"
             )
         self.steps += 1
+        self.watchdog.timeout = self.first_step_timeout if self.steps == 1 else self.timeout
         state = StepState(schedule, caller or CallerState.capture(), step_seed, side)
         runner = (
             StepRunner(self.stages, self.num_stages, self.transport, state, grad=True, checkpoint=checkpoint, loss=loss)

@@ -22,9 +22,20 @@ import torch.distributed as dist
 from fastpipe.errors import PipelineError
 from fastpipe.runtime.worker import make_current
 
-__all__ = ["DEFAULT_TIMEOUT", "SEND_POLL_MAX_PAUSE", "SendReaper", "Watchdog", "bounded_barrier"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "FIRST_STEP_TIMEOUT",
+    "SEND_POLL_MAX_PAUSE",
+    "SendReaper",
+    "Watchdog",
+    "bounded_barrier",
+    "default_store",
+]
 
 DEFAULT_TIMEOUT = 30.0
+# Seconds: the bound on each wait of a pipeline's first step. A cold step can take minutes on
+# a peer: first-launch Triton compiles are serialized process-wide, and NCCL connects lazily.
+FIRST_STEP_TIMEOUT = 300.0
 # Seconds: the longest pause between two polls of an NCCL send; a finished send is noticed at
 # most this late, which only delays freeing its buffer.
 SEND_POLL_MAX_PAUSE = 2e-3
@@ -47,6 +58,14 @@ def bounded_barrier(group: Any, timeout: float, what: str) -> None:
         ) from exc
 
 
+def default_store() -> dist.Store | None:
+    """The default group's store (the abort side channel), or None: dead peers then still time out."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or one without a store
+        return None
+
+
 class Watchdog:
     """Bounded waits on ``Work`` handles plus the abort side channel in a ``Store``.
 
@@ -60,7 +79,8 @@ class Watchdog:
     Args:
         store: shared key-value store (the process group's), or None (timeouts only).
         key: the abort key; the first failing rank writes its diagnosis there.
-        timeout: seconds any single wait may take.
+        timeout: seconds any single wait may take (the bound in force: a runtime raises it for
+            its first step, and :class:`SendReaper` reads it for each work it watches).
         rank: this process's global rank (for messages).
     """
 
@@ -74,6 +94,9 @@ class Watchdog:
         # Run after on_fail, once: what must not outlive a failed step (NCCL communicators).
         self.aborts: list[Callable[[], object]] = []
         self._next_check = 0.0
+        # A background watch (SendReaper) may fail the step while this thread does: the first
+        # cause must still win, and the aborts run once.
+        self._failing = threading.RLock()
 
     def published(self) -> str | None:
         """The abort message another rank wrote, if any."""
@@ -95,17 +118,22 @@ class Watchdog:
         return message
 
     def fail(self, diagnosis: str) -> PipelineError:
-        """Record the failure (first cause wins) and return the error to raise."""
-        if self.failure is None:
-            cause = self.published() or self.publish(diagnosis)
-            self.failure = PipelineError(f"fastpipe: {cause}")
-            if self.on_fail is not None:
-                with contextlib.suppress(Exception):  # best effort: peers still have the store and timeouts
-                    self.on_fail(cause)
-            for abort in self.aborts:  # after on_fail: the abort headers travel on gloo first
-                with contextlib.suppress(Exception):
-                    abort()
-        return self.failure
+        """Record the failure (first cause wins) and return the error to raise.
+
+        Safe to call from any thread: :class:`SendReaper`'s watch calls it when a work runs
+        past its bound.
+        """
+        with self._failing:
+            if self.failure is None:
+                cause = self.published() or self.publish(diagnosis)
+                self.failure = PipelineError(f"fastpipe: {cause}")
+                if self.on_fail is not None:
+                    with contextlib.suppress(Exception):  # best effort: peers still have the store and timeouts
+                        self.on_fail(cause)
+                for abort in self.aborts:  # after on_fail: the abort headers travel on gloo first
+                    with contextlib.suppress(Exception):
+                        abort()
+            return self.failure
 
     def check(self) -> None:
         """Raise if the step failed on another rank (rate-limited store poll)."""
@@ -174,23 +202,34 @@ class SendReaper:
     gloo only learns that an ``isend`` completed inside ``wait()``; without this thread a
     step would keep every sent activation alive until its end (defeating checkpointing).
     NCCL receives use it as their watchdog: the compute stream waits for them on the GPU
-    while this thread polls them against the time bound, so the host never waits.
+    while this thread polls them against the time bound, so the host never waits. When a
+    polled work runs past the bound, this thread fails the step itself through the
+    watchdog (peers told, NCCL communicators aborted): the step's own thread may be blocked
+    in a CUDA synchronize behind that work, and would never reach :meth:`check` to do it.
 
     Args:
-        timeout: seconds one work may take.
+        timeout: seconds one work may take (its watchdog's bound in force, once it has one).
         poll: poll ``is_completed()`` (NCCL, whose ``wait()`` does not block the host).
         device: the CUDA device the works run on; the thread makes it current before its
             first CUDA call (a new thread would otherwise create a context on GPU 0).
         what: the works, for messages: "<what> rank <r> did not complete".
+        watchdog: the step's watchdog, which the watch fails when a polled work is late; also
+            taken from the first :meth:`check` or :meth:`drain` (a transport checks before it adds).
     """
 
     def __init__(
-        self, timeout: float, poll: bool = False, device: torch.device | None = None, what: str = "a send from"
+        self,
+        timeout: float,
+        poll: bool = False,
+        device: torch.device | None = None,
+        what: str = "a send from",
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.timeout = timeout
         self.poll = poll  # NCCL: wait() would not block the host; poll is_completed() instead
         self.device = device if device is not None and device.type == "cuda" else None
         self.what = what
+        self.watchdog = watchdog
         self.error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -209,18 +248,22 @@ class SendReaper:
         if self.device is not None:
             make_current(self.device)
         while (item := self._queue.get()) is not None:
+            timeout = self.watchdog.timeout if self.watchdog is not None else self.timeout
             try:
                 if self.poll:
                     # Back off as Watchdog.poll does: a fixed 0.1 ms pause took the GIL about 10k
                     # times a second from the thread that launches the kernels.
-                    deadline = time.monotonic() + self.timeout
+                    deadline = time.monotonic() + timeout
                     pause = 5e-5
                     while not item[0].is_completed():
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"timed out after {self.timeout:g} s")
+                            self.error = self.error or TimeoutError(f"timed out after {timeout:g} s")
+                            if self.watchdog is not None:  # the step's thread may be stuck behind it on the GPU
+                                self.watchdog.fail(self._diagnosis(self.watchdog.rank))
+                            raise self.error
                         time.sleep(pause)
                         pause = min(pause * 2, SEND_POLL_MAX_PAUSE)
-                item[0].wait(datetime.timedelta(seconds=self.timeout))
+                item[0].wait(datetime.timedelta(seconds=timeout))
             except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
                 self.error = self.error or exc
             del item
@@ -228,8 +271,14 @@ class SendReaper:
                 self._pending -= 1
                 self._cond.notify_all()
 
+    def _diagnosis(self, rank: int) -> str:
+        error = self.error
+        text = (str(error).splitlines()[0] if str(error) else type(error).__name__) if error is not None else "?"
+        return f"{self.what} rank {rank} did not complete ({text})"
+
     def drain(self, watchdog: Watchdog) -> None:
         """Wait until every send left (bounded; watching the abort key meanwhile)."""
+        self.watchdog = self.watchdog or watchdog
         while True:
             with self._cond:
                 if self._pending == 0 or self.error is not None:
@@ -237,11 +286,11 @@ class SendReaper:
                 self._cond.wait(0.05)
             watchdog.check()
         if self.error is not None:
-            text = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
-            raise watchdog.fail(f"{self.what} rank {watchdog.rank} did not complete ({text})")
+            raise watchdog.fail(self._diagnosis(watchdog.rank))
 
     def check(self, watchdog: Watchdog) -> None:
         """Raise now if a work already failed or ran past the bound (no waiting)."""
+        self.watchdog = self.watchdog or watchdog
         if self.error is not None:
             self.drain(watchdog)
 

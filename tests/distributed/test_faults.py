@@ -96,6 +96,26 @@ def test_stuck_rank_is_reported_after_the_bound(transport: str) -> None:
     assert BOUND - 0.5 < result["elapsed"] < BOUND + 2.0
 
 
+def _cold_first_step(rank: int, world: int) -> float:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    # Stage 1's first forward stalls past the bound, as a first-launch Triton compile may.
+    model = make_model(1, "stall", 1, world)
+    pipe = DistributedPipe(model, [2] * world, chunks=2, schedule="1f1b", checkpoint="never", timeout=BOUND)
+    x, y = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    start = time.monotonic()
+    pipe.train_step(x, y, nn.MSELoss())
+    elapsed = time.monotonic() - start
+    pipe.train_step(x, y, nn.MSELoss())  # later steps run as usual (their bound: the stuck-rank test)
+    pipe.close()
+    return elapsed
+
+
+def test_the_first_step_waits_under_its_own_longer_bound(transport: str) -> None:
+    for elapsed in check_ok(run_ranks(_cold_first_step, 2, timeout=60)):
+        assert elapsed > BOUND  # a peer waited past `timeout` for the cold stage, and did not fail
+
+
 def _nan(rank: int, world: int) -> list:
     from fastpipe import PipelineError
     from fastpipe.distributed_pipe import DistributedPipe

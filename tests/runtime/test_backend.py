@@ -93,3 +93,26 @@ def test_abort_falls_back_to_torch_s_group_abort(monkeypatch):
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", aborted.append)
     assert backend_mod.abort_nccl(group) is True
     assert aborted == [group]
+
+
+def test_abort_without_a_backend_abort_leaves_world_and_side_groups_usable(tmp_path, monkeypatch):
+    # torch's _abort_process_group(WORLD) would abort and unregister every group: the side
+    # groups would stop working and the caller's destroy_process_group() would raise.
+    import torch
+    import torch._C._distributed_c10d as c10d
+
+    from fastpipe.distributed import backend as backend_mod
+
+    dist.init_process_group(backend="cpu:gloo,cuda:gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        side = dist.new_group([0], backend="gloo")
+        monkeypatch.delattr(c10d.Backend, "abort")  # a torch whose Backend binding has no abort
+        monkeypatch.setattr(backend_mod, "backend_for", lambda group, device: "nccl")  # WORLD's CUDA side as NCCL
+        assert backend_mod.abort_nccl(None) is False
+        assert backend_mod.abort_nccl(dist.group.WORLD) is False
+        for group in (dist.group.WORLD, side):
+            t = torch.ones(2)
+            dist.all_reduce(t, group=group)
+            assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()  # raises if the groups were unregistered

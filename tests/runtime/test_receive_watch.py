@@ -73,3 +73,23 @@ def test_the_watch_backs_off_instead_of_spinning():
     assert work.waited.is_set()
     assert work.polls < 400
     watch.close()
+
+
+def test_a_late_receive_fails_the_step_and_aborts_while_the_step_thread_is_blocked():
+    # The step's thread may sit in a CUDA synchronize behind the hung receive and never call
+    # check() or drain(): the watch itself must fail the step and abort the communicators.
+    aborted = threading.Event()
+    told = []
+    watchdog = Watchdog(None, "abort", timeout=0.2, rank=3)
+    watchdog.on_fail = told.append
+    watchdog.aborts.append(aborted.set)
+    watch = SendReaper(0.2, poll=True, what="a payload receive on")
+    watch.check(watchdog)  # as the transport does before each receive it hands over
+    watch.add(FakeWork(done_after=None), None)  # never completes
+    assert aborted.wait(3.0), "the watch never aborted the communicators"
+    assert isinstance(watchdog.failure, PipelineError)
+    assert "a payload receive on rank 3 did not complete" in str(watchdog.failure)
+    assert told == ["a payload receive on rank 3 did not complete (timed out after 0.2 s)"]
+    with pytest.raises(PipelineError, match="did not complete"):  # the step's thread, once it runs again
+        watchdog.check()
+    watch.close()
