@@ -29,7 +29,7 @@ def _extras() -> tuple[list[str], dict[str, list[str]]]:
 
 def test_transformers_is_the_hf_extra_and_part_of_the_test_extra() -> None:
     requires, extras = _extras()
-    assert extras["hf"] == ["transformers>=5"]
+    assert extras["hf"] == ["transformers>=5.17,<6"]
     assert set(extras["hf"]) <= set(extras["test"])
     assert not [r for r in requires if r.startswith("transformers")]  # plain installs stay without it
     # transformers imports torchvision when present, and the CPU hosts get only CUDA wheels of it.
