@@ -36,6 +36,7 @@ from fastpipe.distributed.rank_step import rank_step
 from fastpipe.distributed.ranks import check_same_settings, gather_objects, pipeline_groups
 from fastpipe.distributed.runtime import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.distributed.tie_group import RankTies
+from fastpipe.distributed.watchdog import FIRST_STEP_TIMEOUT
 from fastpipe.errors import PipelineError
 from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.model.partition import check_balance, check_module, first_layer_in_place
@@ -82,6 +83,8 @@ class DistributedPipe(nn.Module):
         deferred_batch_norm: as for :class:`fastpipe.Pipe`.
         timeout: bound in seconds on every wait; a dead or failed peer raises
             :class:`~fastpipe.PipelineError` on every rank within it.
+        first_step_timeout: the bound during the first step (never below ``timeout``), which a cold
+            start (first Triton compiles, NCCL connections) can make take minutes.
         on_nan: a NaN/inf loss ``"raise"`` s :class:`~fastpipe.PipelineError` on every rank
             (naming step and micro-batch), or ``"skip"`` s the step: no gradients are
             accumulated and the non-finite loss is returned.
@@ -115,6 +118,7 @@ class DistributedPipe(nn.Module):
         device: torch.device | str | None = None,
         deferred_batch_norm: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
+        first_step_timeout: float = FIRST_STEP_TIMEOUT,
         on_nan: Literal["raise", "skip"] = "raise",
         free_others: bool = True,
         bucket_bytes: int = 25 << 20,
@@ -175,6 +179,7 @@ class DistributedPipe(nn.Module):
         stages = {s: Stage(p, self.device, first_layer_in_place(p), opts) for s, p in built.stages.items()}
         self._stages = stages
         kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
+        kw["first_step_timeout"] = first_step_timeout
         self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
         settings = {
             "balance": balance,

@@ -116,6 +116,26 @@ def test_the_first_step_waits_under_its_own_longer_bound(transport: str) -> None
         assert elapsed > BOUND  # a peer waited past `timeout` for the cold stage, and did not fail
 
 
+def _cold_first_step_under_the_normal_bound(rank: int, world: int) -> dict:
+    from fastpipe import PipelineError
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    model = make_model(1, "stall", 1, world)
+    pipe = DistributedPipe(model, [2] * world, chunks=2, schedule="1f1b", timeout=BOUND, first_step_timeout=BOUND)
+    x, y = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    try:
+        pipe.train_step(x, y, nn.MSELoss())
+        return {"type": None}
+    except PipelineError as exc:
+        return {"type": "PipelineError", "message": str(exc)}
+
+
+def test_first_step_timeout_sets_the_first_steps_bound(transport: str) -> None:
+    # The same cold stage as above, with the first step held to the normal bound: the peer fails.
+    results = check_ok(run_ranks(_cold_first_step_under_the_normal_bound, 2, timeout=60))
+    assert any(r["type"] == "PipelineError" for r in results), results
+
+
 def _nan(rank: int, world: int) -> list:
     from fastpipe import PipelineError
     from fastpipe.distributed_pipe import DistributedPipe
