@@ -32,8 +32,12 @@ runs one GEMM over both; the records stay alive until then, which costs activati
 (the pipe's ``wgrad_batch`` says how many micro-batches a batch holds;
 :func:`default_wgrad_batch` where it does not: 2 on a CPU).
 
-Whatever autograd would do differently falls back to ``F.linear``: autocast, mixed
-dtypes, tensor subclasses, frozen weights. Parameter hooks are no reason to fall back: the
+Under autocast both run as autocast's own linear does: x, the weight and the bias are cast to
+the autocast dtype, the GEMMs run in it, and each micro-batch's weight gradient is rounded to
+that dtype, cast to the weight's and then added, which is exactly autograd's arithmetic there (so
+such records are not stacked: one GEMM over two micro-batches would round their sum once).
+Whatever autograd would do differently falls back to ``F.linear``: mixed dtypes outside
+autocast, float64 under it, tensor subclasses, frozen weights. Parameter hooks are no reason to fall back: the
 stage backwards run with them set aside, and they see the step's summed gradient (see
 :mod:`fastpipe.runtime.param_hooks`). A pipe built with ``fused_wgrad=False`` leaves every
 weight gradient to autograd (:mod:`fastpipe.runtime.options`).
@@ -81,13 +85,13 @@ class AccumulatingLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # weight too: in-place changes before backward still raise
         ctx.param = weight  # the leaf itself, whose .grad is the running sum
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return _linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_x = grad.matmul(_as(weight, x)) if ctx.needs_input_grad[0] else None
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             ctx.param.grad = _summed(ctx.param.grad, g2, x.reshape(-1, x.shape[-1]), weight)
@@ -95,8 +99,30 @@ class AccumulatingLinear(torch.autograd.Function):
         return grad_x, None, grad_b
 
 
+def _as(weight: Tensor, x: Tensor) -> Tensor:
+    """``weight`` in ``x``'s dtype: under autocast ``x`` is cast already, and the weight is cast as autocast would.
+
+    The backward casts again rather than save the forward's copy: a weight-sized copy per
+    micro-batch in flight would outweigh one cast per backward.
+    """
+    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` in ``x``'s dtype, with autocast off so that it casts nothing behind our back."""
+    if weight.dtype == x.dtype:  # autocast, if on, would cast nothing either
+        return F.linear(x, weight, bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, _as(weight, x), None if bias is None else _as(bias, x))
+
+
 def _summed(running: Tensor | None, g2: Tensor, x2: Tensor, weight: Tensor) -> Tensor:
     """``running + g2ᵀ x2``, in place inside the GEMM where ``running`` allows it."""
+    if g2.dtype != weight.dtype:
+        # Autocast operands: the GEMM in their dtype, its result cast to the weight's, then
+        # added, as autograd's cast node and AccumulateGrad do (addmm_ cannot mix dtypes).
+        dw = g2.t().mm(x2).to(weight.dtype)
+        return dw if running is None else _added(running, dw, weight)
     if running is None:
         return g2.t().mm(x2)
     if running.dtype == weight.dtype and running.device == weight.device and running.layout == torch.strided:
@@ -104,11 +130,17 @@ def _summed(running: Tensor | None, g2: Tensor, x2: Tensor, weight: Tensor) -> T
     return running + g2.t().mm(x2)  # a sum autograd left in another form: add out of place, as AccumulateGrad would
 
 
+def _added(running: Tensor, term: Tensor, param: Tensor) -> Tensor:
+    if running.dtype == param.dtype and running.device == param.device and running.layout == torch.strided:
+        return running.add_(term)
+    return running + term
+
+
 class Deferred:
     """A micro-batch's deferred Linear work.
 
     ``routed`` holds the ids of the weights and biases whose Linear took the deferring path
-    in the forward (one that fell back, under autocast say, left its gradient to autograd);
+    in the forward (one that fell back, on mixed dtypes say, left its gradient to autograd);
     ``records`` one ``(weight, bias, x, dy)`` per Linear call that B ran.
     """
 
@@ -133,14 +165,14 @@ class DeferringLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.param, ctx.bias, ctx.store, ctx.recorded = weight, bias, store, False
         ctx.x_fn = x.grad_fn
-        return F.linear(x, weight, bias)
+        return _linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
         wanted = ctx.needs_input_grad[0] and (ctx.x_fn is None or torch._C._will_engine_execute_node(ctx.x_fn))
-        grad_x = grad.matmul(weight) if wanted else None
+        grad_x = grad.matmul(_as(weight, x)) if wanted else None
         if not ctx.recorded:
             ctx.recorded = True
             # Detached: W runs outside the engine, where a GEMM over an input that still
@@ -167,19 +199,29 @@ def _apply_records(store: Deferred, params: Sequence[Tensor], sums: list[Tensor 
     for rec in store.records:
         by_linear.setdefault((id(rec[0]), id(rec[1])), []).append(rec)
     for recs in by_linear.values():
-        weight, bias = recs[0][0], recs[0][1]
-        g2s = [r[3].reshape(-1, r[3].shape[-1]) for r in recs]
-        x2s = [r[2].reshape(-1, r[2].shape[-1]) for r in recs]
-        g2 = g2s[0] if len(recs) == 1 else torch.cat(g2s)
-        x2 = x2s[0] if len(recs) == 1 else torch.cat(x2s)
-        i = index[id(weight)]
-        sums[i] = _summed(sums[i], g2, x2, weight)
-        if bias is not None and id(bias) in index:
-            j = index[id(bias)]
-            db = g2.sum(0)
-            prev = sums[j]
-            sums[j] = db if prev is None else prev.add_(db)
+        if all(r[2].dtype == r[0].dtype for r in recs):
+            _apply_stacked(recs, index, sums)
+        else:  # autocast: autograd rounds each micro-batch's GEMM on its own, and so must W
+            for rec in recs:
+                _apply_stacked([rec], index, sums)
     store.records.clear()
+
+
+def _apply_stacked(
+    recs: list[tuple[Tensor, Tensor | None, Tensor, Tensor]], index: dict[int, int], sums: list[Tensor | None]
+) -> None:
+    weight, bias = recs[0][0], recs[0][1]
+    g2s = [r[3].reshape(-1, r[3].shape[-1]) for r in recs]
+    x2s = [r[2].reshape(-1, r[2].shape[-1]) for r in recs]
+    g2 = g2s[0] if len(recs) == 1 else torch.cat(g2s)
+    x2 = x2s[0] if len(recs) == 1 else torch.cat(x2s)
+    i = index[id(weight)]
+    sums[i] = _summed(sums[i], g2, x2, weight)
+    if bias is not None and id(bias) in index:
+        j = index[id(bias)]
+        db = g2.sum(0).to(bias.dtype)
+        prev = sums[j]
+        sums[j] = db if prev is None else _added(prev, db, bias)
 
 
 class CarriedRecords:
@@ -221,20 +263,32 @@ def fusable_linears(module: nn.Module, params: Sequence[Tensor]) -> list[nn.Line
     return [m for m in module.modules() if type(m) is nn.Linear and id(m.weight) in ids and "forward" not in m.__dict__]
 
 
-def _fusable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+# The dtypes autocast casts to its own (it leaves float64 alone).
+_AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _compute_dtype(x: Tensor, weight: Tensor, bias: Tensor | None) -> torch.dtype | None:
+    """The dtype the fused path runs ``F.linear(x, weight, bias)`` in, or None where it falls back."""
     if not (torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf):
-        return False
+        return None
     if type(x) is not Tensor or type(weight) not in (Tensor, nn.Parameter):
-        return False
-    if x.layout != torch.strided or x.dtype != weight.dtype or x.device != weight.device or x.dim() < 1:
-        return False
-    if not weight.is_floating_point() or torch.is_autocast_enabled(x.device.type):
-        return False
-    return bias is None or (type(bias) in (Tensor, nn.Parameter) and bias.dtype == weight.dtype)
+        return None
+    if x.layout != torch.strided or x.device != weight.device or x.dim() < 1 or not weight.is_floating_point():
+        return None
+    if bias is not None and (type(bias) not in (Tensor, nn.Parameter) or bias.dtype != weight.dtype):
+        return None
+    if not torch.is_autocast_enabled(x.device.type):
+        return weight.dtype if x.dtype == weight.dtype else None
+    if x.dtype not in _AUTOCAST_CASTS or weight.dtype not in _AUTOCAST_CASTS:
+        return None
+    return torch.get_autocast_dtype(x.device.type)
 
 
 def _forward(self: nn.Linear, store: Deferred | None, x: Tensor) -> Tensor:
-    if _fusable(x, self.weight, self.bias):
+    dtype = _compute_dtype(x, self.weight, self.bias)
+    if dtype is not None:
+        # The cast of x is autograd's, as under autocast: dx comes back cast to x's dtype.
+        x = x.to(dtype)
         if store is None:
             return AccumulatingLinear.apply(x, self.weight, self.bias)
         store.routed.update(id(t) for t in (self.weight, self.bias) if t is not None)

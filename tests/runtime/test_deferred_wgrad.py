@@ -191,8 +191,8 @@ def test_the_step_runner_defers_every_split_pairs_linears(monkeypatch: pytest.Mo
         assert_close_reordered(p.grad, q.grad, k=8 + 4 * (6 + 10))
 
 
-def test_a_linear_that_falls_back_is_still_split_by_the_graph() -> None:
-    """Under autocast the Linears run as F.linear: their weight GEMMs must still wait for W."""
+def test_under_cpu_bf16_autocast_the_weight_gemms_still_wait_for_w() -> None:
+    """Autocast casts operands around each Linear: the weight GEMMs must still run in W alone."""
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block())
     weights = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]

@@ -46,8 +46,6 @@ def test_falls_back_to_autograd_where_it_would_differ() -> None:
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4)
     with accumulating_linears([lin]):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert type(lin(x).grad_fn).__name__ != "AccumulatingLinearBackward"
         with torch.no_grad():
             assert lin(x).grad_fn is None
         lin.weight.requires_grad_(False)
@@ -172,7 +170,7 @@ def test_accumulating_linear_on_gpu_matches_autograd(shape: tuple[int, ...]) -> 
 
 
 @pytest.mark.gpu
-def test_pipe_on_gpu_fused_equals_unfused_and_autocast_falls_back() -> None:
+def test_pipe_on_gpu_fused_equals_unfused_with_and_without_autocast() -> None:
     x, y = torch.randn(16, 6, device="cuda"), torch.randn(16, 3, device="cuda")
     for autocast in (False, True):
         grads = []
