@@ -7,19 +7,18 @@ if the host has one per process (NCCL), otherwise both on the CPU (gloo)::
 
 torchrun starts one copy of this script per process and tells each its place through the
 environment: ``RANK`` (0 .. ``WORLD_SIZE`` - 1 over all hosts) and ``LOCAL_RANK`` (its index on
-this host, which picks its GPU). Rank r holds stage r of the model and releases the other
-layers, so every rank builds the same full model from the same seed first.
+this host, which picks its GPU); ``fastpipe.init_distributed()`` reads them. Rank r holds stage
+r of the model and releases the other layers, so every rank builds the same full model from the
+same seed first.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe import DistributedPipe
+from fastpipe import DistributedPipe, init_distributed
 
 
 def build_model() -> nn.Sequential:
@@ -28,17 +27,12 @@ def build_model() -> nn.Sequential:
 
 
 def main(steps: int = 5) -> None:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
-        # A GPU for every process on this host. First, before any NCCL call: each rank on its own GPU.
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    # The default process group from torchrun's environment: NCCL (with gloo beside it) when
+    # this host has a GPU for every process, each rank on its own; otherwise gloo on the CPU.
+    device = init_distributed()
+    if device.type == "cpu":
         torch.set_num_threads(1)  # the ranks share the host's cores
-    dist.init_process_group(backend)  # reads MASTER_ADDR/PORT, RANK and WORLD_SIZE from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # the same full model on every rank; each keeps only its stage
     model = build_model()

@@ -19,6 +19,7 @@ _source_tree.install(Path(__file__).parent, __version__)
 from fastpipe.checkpoint.commit import CheckpointCorruptError, CheckpointError, CheckpointKeyError, latest
 from fastpipe.checkpoint.loop import resume_or_start, save_checkpoint
 from fastpipe.checkpoint.serialization import load, save
+from fastpipe.distributed.launch import init_distributed
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
 from fastpipe.model.batchnorm import DeferredBatchNorm
@@ -38,6 +39,7 @@ __all__ = [
     "GPipe",
     "AutoSchedule",
     "DistributedPipe",
+    "init_distributed",
     "PipelineError",
     "DeferredBatchNorm",
     "CHECKPOINT_MODES",

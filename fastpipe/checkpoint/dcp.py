@@ -61,6 +61,7 @@ from fastpipe.checkpoint.shards import (
     share,
     unflatten,
 )
+from fastpipe.distributed.settle import settle_at_exit
 from fastpipe.distributed_pipe import DistributedPipe
 
 __all__ = [
@@ -92,6 +93,7 @@ def checkpoint_group(module: nn.Module, process_group: Any, timeout: float) -> A
     else:
         return None  # a whole module in this process: it writes alone
     if (ranks, timeout) not in _GROUPS:
+        settle_at_exit()
         _GROUPS[ranks, timeout] = dist.new_group(
             list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
         )
@@ -218,10 +220,13 @@ def save(
 class PendingSave:
     """An :func:`async_save` under way: its shards, checksums and record are written in the background."""
 
-    def __init__(self, folder: str, future: Future[None], key: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, folder: str, future: Future[None], key: tuple[int, ...] = (), thread: threading.Thread | None = None
+    ) -> None:
         self.folder = folder
         self._future = future
         self._key = key
+        self._thread = thread
 
     def done(self) -> bool:
         """The save finished (or failed)."""
@@ -231,6 +236,10 @@ class PendingSave:
         """Blocks until the record is in place; returns the folder, or raises the save's error (no later save does)."""
         try:
             self._future.result()
+            if self._thread is not None:
+                # The thread still frees the save's tensors after it set the result: a process
+                # that ended meanwhile would kill it inside a destructor (std::terminate).
+                self._thread.join()
         finally:
             if _PENDING.get(self._key) is self:
                 del _PENDING[self._key]
@@ -284,8 +293,9 @@ def async_save(
         else:
             done.set_result(None)
 
-    threading.Thread(target=finish, name="fastpipe-dcp-commit", daemon=True).start()
-    pending = PendingSave(folder, done, _key(group))
+    thread = threading.Thread(target=finish, name="fastpipe-dcp-commit", daemon=True)
+    thread.start()
+    pending = PendingSave(folder, done, _key(group), thread)
     _PENDING[_key(group)] = pending
     return pending
 

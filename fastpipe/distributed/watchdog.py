@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpipe.distributed.settle import settle_at_exit
 from fastpipe.errors import PipelineError
 from fastpipe.runtime.worker import make_current
 
@@ -85,6 +86,7 @@ class Watchdog:
     """
 
     def __init__(self, store: dist.Store | None, key: str, timeout: float, rank: int) -> None:
+        settle_at_exit()  # a rank's collectives run on gloo's worker threads
         self.store = store
         self.key = key
         self.timeout = timeout

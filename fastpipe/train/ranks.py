@@ -21,14 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastpipe.distributed.launch import init_distributed, launched_by_torchrun
+
 __all__ = ["Ranks", "join", "leave", "launched_by_torchrun"]
-
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def launched_by_torchrun() -> bool:
-    """Whether ``torchrun`` (or another launcher that sets its variables) started this process."""
-    return all(name in os.environ for name in _ENV)
 
 
 @dataclass(frozen=True)
@@ -83,14 +78,6 @@ class Ranks:
         return everyone
 
 
-def _device(local_rank: int) -> torch.device:
-    """This rank's GPU when the host has one for each of its processes, else the CPU."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def join(data_parallel: int, stages: int | None) -> Ranks:
     """Starts the process group from torchrun's environment and cuts it into pipelines.
 
@@ -101,7 +88,7 @@ def join(data_parallel: int, stages: int | None) -> Ranks:
     Raises:
         ValueError: the world does not cut into ``data_parallel`` pipelines of ``stages`` ranks.
     """
-    rank, world, local_rank = (int(os.environ[name]) for name in _ENV)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if data_parallel < 1 or world % data_parallel:
         raise ValueError(
             f"--data-parallel {data_parallel} does not divide the {world} torchrun processes; "
@@ -113,24 +100,9 @@ def join(data_parallel: int, stages: int | None) -> Ranks:
             f"--stages {stages} with {world} torchrun processes and --data-parallel {data_parallel}: "
             f"each pipeline has {per_pipeline} ranks, one stage each; drop --stages or pass {per_pipeline}"
         )
-    device = _device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any NCCL call: NCCL moves the current device's tensors
-        # init_process_group() without a backend configures only cuda:nccl on a CUDA host,
-        # and the pipeline also exchanges CPU objects (settings, sizes, checkpoints).
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
+    device = init_distributed()  # per-attempt keys: see fastpipe.distributed.launch
+    if device.type == "cpu":
         torch.set_num_threads(1)  # the host's processes share its cores
-    if not dist.is_initialized():
-        store, _, _ = next(dist.rendezvous("env://"))
-        # torchrun's restarts reuse its agent's store, where the last attempt's keys remain: a
-        # rank that read a dead peer's gloo address from them would fail to connect. Each
-        # attempt keeps its keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"fastpipe-train/attempt-{attempt}", store), rank=rank, world_size=world
-        )
     pipeline: Any = dist.group.WORLD
     replicas_group: Any = None
     if data_parallel > 1:

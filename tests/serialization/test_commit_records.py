@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -157,6 +158,9 @@ def test_async_save_keeps_the_values_of_the_call(tmp_path) -> None:
     assert isinstance(pending, dcp.PendingSave)
     losses += train(model, opt, range(2, 4))  # the loop goes on while the save is written
     assert pending.wait() == step_dir(str(tmp_path), 2)
+    # wait() returns once the writer thread is gone: a script that ends right after it must
+    # not end the interpreter while that thread still frees the save's tensors.
+    assert not [t for t in threading.enumerate() if t.name == "fastpipe-dcp-commit"]
     record = read_record(step_dir(str(tmp_path), 2))
     assert record is not None and set(record["files"]) == {".metadata", "__0_0.distcp"}
     assert record["state"] == {"losses": [1.0, 2.0]}
