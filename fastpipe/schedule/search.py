@@ -15,9 +15,9 @@ Ties (within a relative 1e-9) go to the lower peak memory, then to a named sched
 greedy one, then to the order of ``SCHEDULES``. Memory is counted as
 :func:`~fastpipe.schedule.simulate.peak_memory` counts it: per worker, the most activation
 memory alive at once, a stage's activation held from the start of its F to the end of the
-backward that frees its input (its BW, or its B when split). With ``activation`` left at 1 the
-unit is one stage's activation for one micro-batch, as in
-:attr:`~fastpipe.trace.timeline.Timeline.peak_activations`.
+backward that frees its input (its BW, or its B when split), and with ``w_records`` what a split
+B keeps from there to its W. With ``activation`` left at 1 the unit is one stage's activation for
+one micro-batch, as in :attr:`~fastpipe.trace.timeline.Timeline.peak_activations`.
 
 Example::
 
@@ -218,12 +218,24 @@ class Choice:
         return "\n".join(line.rstrip() for line in lines)
 
 
-def _run(name: str, virtual: int, schedule: Schedule, costs: StageCosts, limit: float | None) -> Candidate:
+@dataclass(frozen=True)
+class _Held:
+    """What a split backward keeps from B to W (see :func:`~fastpipe.schedule.simulate.peak_memory`)."""
+
+    records: tuple[float, ...] | None = None
+    wgrad_batch: int = 1
+
+
+def _run(
+    name: str, virtual: int, schedule: Schedule, costs: StageCosts, limit: float | None, held: _Held = _Held()
+) -> Candidate:
     times = simulate_times(schedule, costs.forward, costs.backward, costs.weight, costs.comm)
     timeline = Timeline(schedule.num_workers, unit="cost units")
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
-    peaks = tuple(peak_memory(schedule, costs.activation, times=times))
+    peaks = tuple(
+        peak_memory(schedule, costs.activation, times=times, w_records=held.records, wgrad_batch=held.wgrad_batch)
+    )
     fits = limit is None or max(peaks) <= limit * (1 + _REL_TOL)
     # Over a worker per stage, as the candidates with one stage per worker use: the fewer
     # workers of virtual stages would otherwise hide the ones they leave idle.
@@ -232,7 +244,9 @@ def _run(name: str, virtual: int, schedule: Schedule, costs: StageCosts, limit: 
     return Candidate(name, virtual, schedule, span, bubble, peaks, fits)
 
 
-def _named(costs: StageCosts, microbatches: int, names: Iterable[str], limit: float | None) -> list[Candidate]:
+def _named(
+    costs: StageCosts, microbatches: int, names: Iterable[str], limit: float | None, held: _Held
+) -> list[Candidate]:
     """Every named schedule at every number of stages per worker that it builds for; one skipped entry
     (the reason at one stage per worker) for a schedule that builds at none. A schedule whose actions
     equal an earlier candidate's (interleaved with one stage per worker is 1F1B) is left out."""
@@ -251,13 +265,13 @@ def _named(costs: StageCosts, microbatches: int, names: Iterable[str], limit: fl
             built = True
             if schedule.workers not in seen:
                 seen.add(schedule.workers)
-                found.append(_run(name, virtual, schedule, costs, limit))
+                found.append(_run(name, virtual, schedule, costs, limit, held))
         if not built:
             found.append(Candidate(name, 1, None, skipped=reason))
     return found
 
 
-def _greedy(costs: StageCosts, microbatches: int, limit: float | None) -> Candidate:
+def _greedy(costs: StageCosts, microbatches: int, limit: float | None, held: _Held) -> Candidate:
     """The fastest of the greedy scheduler's variants that fits: W's only in gaps, or at most 1, 2, ...,
     K of them deferred per worker (a bound that keeps a slow stage from ending on a run of W's)."""
     k = costs.num_stages
@@ -274,11 +288,13 @@ def _greedy(costs: StageCosts, microbatches: int, limit: float | None) -> Candid
                 costs.activation,
                 limit,
                 backlog,
+                w_records=held.records,
+                wgrad_batch=held.wgrad_batch,
             )
         except ScheduleError as exc:
             return Candidate(GREEDY, 1, None, skipped=str(exc))  # the limit, which no backlog changes
         found.append(
-            dataclasses.replace(_run(GREEDY, 1, schedule, costs, limit), variant=f"backlog={backlog or 'none'}")
+            dataclasses.replace(_run(GREEDY, 1, schedule, costs, limit, held), variant=f"backlog={backlog or 'none'}")
         )
     return min(found, key=lambda c: (not c.fits, c.time, max(c.peak_memory)))
 
@@ -291,6 +307,8 @@ def search(
     *,
     schedules: Sequence[str] = SCHEDULES,
     greedy: bool = True,
+    w_records: float | Sequence[float] | None = None,
+    wgrad_batch: int = 1,
 ) -> Choice:
     """The fastest schedule for ``costs`` whose peak memory on every worker fits ``memory_limit``.
 
@@ -303,6 +321,9 @@ def search(
             ``costs.activation``; None: no limit.
         schedules: the named schedules to consider (default: all of them).
         greedy: also consider the greedy zero-bubble scheduler (:func:`greedy_schedule`).
+        w_records: what one micro-batch's B keeps until its W on each stage (a scalar or one per
+            stage), in the units of ``costs.activation``; None: nothing (as the zero-bubble paper counts).
+        wgrad_batch: W's that run their deferred work together, as the runtime's ``wgrad_batch``.
 
     Returns:
         A :class:`Choice`: the chosen candidate and the table of all of them.
@@ -322,9 +343,13 @@ def search(
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise ScheduleError(f"unknown schedules {unknown}; valid: {', '.join(SCHEDULES)}")
-    candidates = _named(costs, microbatches, schedules, memory_limit)
+    records = None if w_records is None else checked_costs(w_records, stages, "w_records")
+    if isinstance(wgrad_batch, bool) or not isinstance(wgrad_batch, int) or wgrad_batch < 1:
+        raise ScheduleError(f"wgrad_batch must be an integer >= 1 (1: each W its own), got {wgrad_batch!r}")
+    held = _Held(records, wgrad_batch)
+    candidates = _named(costs, microbatches, schedules, memory_limit, held)
     if greedy:
-        candidates.append(_greedy(costs, microbatches, memory_limit))
+        candidates.append(_greedy(costs, microbatches, memory_limit, held))
     ran = [c for c in candidates if not c.skipped]
     rank = {id(c): i for i, c in enumerate(ran)}
     ran.sort(key=lambda c: (c.time, rank[id(c)]))

@@ -8,12 +8,22 @@ workers in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from fastpipe.schedule.fuse import weight_batches
 from fastpipe.schedule.ir import COMM_KINDS, Action, Schedule, ScheduleError
 from fastpipe.trace.timeline import Timeline
 
-__all__ = ["CompiledSimulation", "Cost", "peak_memory", "simulate", "simulate_times", "span_bubble_fraction"]
+__all__ = [
+    "CompiledSimulation",
+    "Cost",
+    "peak_memory",
+    "simulate",
+    "simulate_times",
+    "span_bubble_fraction",
+    "sweep_peak",
+    "weight_release",
+]
 
 Cost = float | Sequence[float]
 
@@ -148,11 +158,49 @@ def span_bubble_fraction(timeline: Timeline) -> float:
     return 1.0 - sum(timeline.busy) / (timeline.num_workers * span)
 
 
+def weight_release(
+    schedule: Schedule, wgrad_batch: int = 1, unsplit: Collection[tuple[int, int]] = ()
+) -> dict[tuple[int, int], Action]:
+    """For each split ``(stage, mb)``, the ``W`` at whose end the work its ``B`` left behind is freed.
+
+    That is its own ``W``, or with ``wgrad_batch`` > 1 the last ``W`` of its batch
+    (:func:`~fastpipe.schedule.fuse.weight_batches`, the grouping the runtime runs). The pairs in
+    ``unsplit`` run their ``B`` as a combined backward and leave nothing for ``W``.
+
+    Raises:
+        ScheduleError: ``wgrad_batch`` below 1.
+    """
+    skip = frozenset(unsplit)
+    carry = weight_batches(schedule, wgrad_batch, skip)
+    return {key: Action("W", *carry.get(key, key)) for key in sorted(schedule.split_pairs) if key not in skip}
+
+
+def sweep_peak(points: Sequence[tuple[float, float, str]]) -> tuple[float, dict[str, float]]:
+    """The most bytes alive at once in ``(time, delta, part)`` events, and each part's bytes at that moment.
+
+    At equal times a free (negative delta) comes before an allocation: an action that ends
+    when the next one starts has released what it frees.
+    """
+    alive: dict[str, float] = {}
+    total = peak = 0.0
+    at_peak: dict[str, float] = {}
+    for _, delta, part in sorted(points, key=lambda p: (p[0], p[1])):
+        alive[part] = alive.get(part, 0.0) + delta
+        total += delta
+        if total > peak:
+            peak, at_peak = total, dict(alive)
+    return peak, at_peak
+
+
 def peak_memory(
     schedule: Schedule,
     activation: Cost,
     skips: Sequence[tuple[int, int, float]] = (),
     times: dict[Action, tuple[int, float, float]] | None = None,
+    *,
+    w_records: Cost | None = None,
+    wgrad_batch: int = 1,
+    unsplit: Collection[tuple[int, int]] = (),
 ) -> list[float]:
     """Per worker, the most activation bytes alive at once over one simulated step, skips included.
 
@@ -163,31 +211,45 @@ def peak_memory(
     adds its bytes to the producer's ``(producer, mb)`` and to the consumer's
     ``(consumer, mb)``, each held until that stage's backward, and to no stage between.
 
+    A split backward's ``B`` leaves work for ``W``: each deferred Linear's input and output
+    gradient (:class:`~fastpipe.runtime.wgrad.DeferringLinear`), or the whole graph where a
+    parameter is left for ``W`` (:mod:`fastpipe.runtime.split_backward`). ``w_records`` counts
+    those bytes from the end of ``B`` to the end of the ``W`` that consumes them (see
+    :func:`weight_release`); without it they count 0, as in the zero-bubble paper.
+
     Args:
         schedule: the schedule.
         activation: bytes of one micro-batch's activation per stage (a scalar or one per stage).
         skips: the skips that cross stages.
         times: a result of :func:`simulate_times` for ``schedule`` (default: unit costs).
+        w_records: bytes one micro-batch's ``B`` keeps until its ``W`` (a scalar or one per stage).
+        wgrad_batch: micro-batches whose deferred work one ``W`` runs together, as the
+            runtime's ``wgrad_batch``: their records live until the batch's last ``W``.
+        unsplit: ``(stage, mb)`` pairs whose ``B`` the runtime runs as a combined backward.
     """
     held = _per_stage(activation, schedule.num_stages, "activation")
     for producer, consumer, nbytes in skips:
         for stage in {producer, consumer}:
             held[stage] += float(nbytes)
-    points: list[list[tuple[float, float]]] = [[] for _ in range(schedule.num_workers)]
-    for action, (w, start, end) in (simulate_times(schedule) if times is None else times).items():
+    records = None if w_records is None else _per_stage(w_records, schedule.num_stages, "w_records")
+    release = weight_release(schedule, wgrad_batch, unsplit) if records is not None else {}
+    points: list[list[tuple[float, float, str]]] = [[] for _ in range(schedule.num_workers)]
+    frees: list[tuple[Action, int, float]] = []
+    timed = simulate_times(schedule) if times is None else times
+    for action, (w, start, end) in timed.items():
+        s, key = action.stage, (action.stage, action.microbatch)
         if action.kind == "F":
-            points[w].append((start, held[action.stage]))
+            points[w].append((start, held[s], ""))
         elif action.kind in ("B", "BW"):
-            points[w].append((end, -held[action.stage]))
-    peaks = []
-    for pts in points:
-        pts.sort()  # at equal times a free (negative) comes before an allocation
-        alive = peak = 0.0
-        for _, delta in pts:
-            alive += delta
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
+            points[w].append((end, -held[s], ""))
+            if records is not None and key in release:
+                points[w].append((end, records[s], ""))
+                frees.append((release[key], w, records[s]))
+    for action, w, nbytes in frees:
+        if action not in timed:
+            raise ScheduleError(f"times has no entry for {action}, which frees weight records; simulate the schedule")
+        points[w].append((timed[action][2], -nbytes, ""))
+    return [sweep_peak(pts)[0] for pts in points]
 
 
 class CompiledSimulation:

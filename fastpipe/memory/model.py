@@ -1,0 +1,386 @@
+"""The predicted peak bytes of each device over one training step, as a sum of named parts.
+
+The inputs are per-stage bytes of one micro-batch (:class:`StageBytes`; measured by
+:func:`fastpipe.memory.stage_bytes.measure_stages`), a schedule and its timing. Each
+``(stage, micro-batch)`` holds, on its stage's device::
+
+    F start ─────────────── B end ─────────── W end (own) ──── W end (last of its batch)
+    input ════════════════════════════════════════╡            (the task keeps it until W)
+    activation ═══════════════╡                                 (saved tensors, stage output)
+                              w_kept ═════════════╡             (retained graph, outputs)
+                              w_records ══════════════════════╡ (deferred Linears' x and dy)
+
+A combined backward (``BW``) frees all of it at its end. While an action runs it also holds
+its transient bytes (temporaries, gradients in flight). With recompute (``checkpoint``) a micro-batch
+keeps only its input until its backward, which holds the activation again while it runs.
+Around that timeline:
+
+===============  ==============================================================================
+part             when it is alive
+===============  ==============================================================================
+parameters       always; a weight tied across stages is held by its owner and, as a copy, by each
+                 reader stage (:mod:`fastpipe.model.ties`); a tensor two layers of one stage share
+                 counts once
+gradients        each stage's running sums, to the end of the step, from the end of its first
+                 ``BW`` (which frees the saved tensors layer by layer as it writes the sums, so
+                 the two together peak at one of its ends) or from the start of its first ``W``
+                 that runs deferred GEMMs (which frees the records it reads only when done)
+optimizer        always: the state of the parameters the optimizer steps (tie copies excluded),
+                 :func:`optimizer_factor` times their bytes
+activations      the inputs, activations and recomputed activations above
+w_records        ``w_kept`` and ``w_records`` above
+skips            a cross-stage skip on its producer until the producer's backward, and on its
+                 consumer until the consumer's backward (its ``W`` when split: the task keeps it)
+input_grads      the gradient of the pipe's input (``input_grad``), kept for the caller from the
+                 first stage's backward to the end of the step
+weight_versions  asynchronous ``fit``: the most weight copies a policy holds at once
+                 (:func:`fastpipe.schedule.multistep.weight_versions`) times the trainable bytes
+receive_buffers  bytes a transport keeps between steps, as given
+===============  ==============================================================================
+
+The time-varying parts are summed per worker over the schedule's simulated timing
+(:func:`fastpipe.schedule.simulate.sweep_peak`), and a device's activations, W records, skips
+and gradients are those alive at its peak. A ``W`` that runs several micro-batches' records
+holds their stacked copy (``w_stacked`` per micro-batch) while it runs.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from fastpipe.memory.sizes import format_bytes
+from fastpipe.schedule.fuse import adjacent_pairs
+from fastpipe.schedule.ir import Action, Schedule, ScheduleError
+from fastpipe.schedule.multistep import weight_versions
+from fastpipe.schedule.simulate import simulate_times, sweep_peak, weight_release
+
+__all__ = ["PARTS", "DeviceMemory", "OptimizerSpec", "StageBytes", "optimizer_factor", "predict_memory", "require_fit"]
+
+OptimizerSpec = torch.optim.Optimizer | str | float | None
+
+# State tensors per parameter byte, by name (torch keeps the moments in the parameter's dtype).
+_FACTORS = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+_CHECKPOINT = ("always", "except_last", "never")
+_POLICIES = ("sync", "stale", "stash", "predict")
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one stage holds, in bytes, for one micro-batch where it says so.
+
+    Attributes:
+        parameters: the stage's parameters, each storage once (a tie reader's copy included).
+        activation: what a micro-batch holds from its forward to its backward besides its
+            input: the tensors saved for backward and the stage's output.
+        input: the stage's input of one micro-batch (received, kept by the task until its
+            backward, or its ``W`` when split; all that recompute keeps).
+        w_records: what ``B`` leaves in deferred Linear records, besides the input: each
+            Linear's input and output gradient, kept until the ``W`` that runs them (the last
+            of its batch with ``wgrad_batch`` > 1).
+        w_kept: what else ``B`` keeps until the micro-batch's own ``W``: the graph where a
+            parameter is left for ``W`` (it is then retained whole), the stage outputs,
+            gradients ``B`` took early.
+        gradients: bytes of the trainable parameters (their gradient sums); None: ``parameters``.
+        optimized: bytes of the parameters the optimizer steps (a tie reader's copy is not);
+            None: ``gradients``.
+        f_transient: the most bytes a micro-batch's forward holds at once above both what it
+            starts with and what it leaves (temporaries between layers), while it runs.
+        b_transient: the same for its ``B`` (gradients in flight between layers).
+        bw_transient: the same for a combined backward (``BW``) into sums that exist.
+        w_stacked: the largest one Linear's record of a micro-batch (its ``x`` and ``dy``): a
+            ``W`` that runs several micro-batches' records stacks them, one Linear at a time.
+    """
+
+    parameters: int
+    activation: int
+    input: int = 0
+    w_records: int = 0
+    w_kept: int = 0
+    gradients: int | None = None
+    optimized: int | None = None
+    f_transient: int = 0
+    b_transient: int = 0
+    bw_transient: int = 0
+    w_stacked: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in ("gradients", "optimized"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"fastpipe: StageBytes.{f.name} must be a whole number of bytes >= 0, got {value!r}")
+
+    @property
+    def trainable(self) -> int:
+        """Bytes of the parameters that get gradients."""
+        return self.parameters if self.gradients is None else self.gradients
+
+    @property
+    def stepped(self) -> int:
+        """Bytes of the parameters the optimizer steps."""
+        return self.trainable if self.optimized is None else self.optimized
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The predicted peak of one device (one worker of the schedule), in bytes, by part.
+
+    ``total`` is the sum of the parts; the time-varying ones (gradients, activations,
+    w_records, skips) are those alive at the device's peak.
+    """
+
+    worker: int
+    stages: tuple[int, ...]
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    w_records: int
+    skips: int
+    input_grads: int
+    weight_versions: int
+    receive_buffers: int
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """Each part's bytes, in the order of :data:`PARTS`."""
+        return {name: getattr(self, name) for name in PARTS}
+
+    @property
+    def total(self) -> int:
+        """The predicted peak: every part together."""
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.parts.items() if n)
+        where = ", ".join(str(s) for s in self.stages)
+        return f"device {self.worker} (stages {where}): {format_bytes(self.total)} ({shown or 'nothing'})"
+
+
+PARTS: tuple[str, ...] = tuple(f.name for f in fields(DeviceMemory))[2:]  # every field after worker, stages
+
+
+def optimizer_factor(optimizer: OptimizerSpec) -> float:
+    """Bytes of optimizer state per byte of the parameters it steps.
+
+    Args:
+        optimizer: ``None`` or ``"none"`` (0), ``"sgd"`` (0, no momentum), ``"momentum"`` (1),
+            ``"adam"`` or ``"adamw"`` (2: two moments in the parameters' dtype); a number (that
+            factor, for an optimizer of your own); or a ``torch.optim.Optimizer``: Adam and
+            AdamW 2 (3 with ``amsgrad``), SGD 1 with momentum else 0, any other the state it
+            already holds per byte of the parameters that have state.
+
+    Raises:
+        ValueError: an unknown name, a negative or non-finite number, or an optimizer of another
+            kind that holds no state yet (run one step first, or pass the factor).
+    """
+    if optimizer is None:
+        return 0.0
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in _FACTORS:
+            raise ValueError(
+                f"fastpipe: unknown optimizer {optimizer!r}; name one of {sorted(_FACTORS)}, pass its state "
+                "bytes per parameter byte as a number, or pass the torch.optim.Optimizer"
+            )
+        return _FACTORS[key]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _instance_factor(optimizer)
+    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < float("inf"):
+        raise ValueError(
+            f"fastpipe: an optimizer factor is a finite number >= 0 (state bytes per parameter byte), got {optimizer!r}"
+        )
+    return float(optimizer)
+
+
+def _instance_factor(optimizer: torch.optim.Optimizer) -> float:
+    def nbytes(p: torch.Tensor) -> int:
+        return p.numel() * p.element_size()
+
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+        weighted = total = 0
+        for group in optimizer.param_groups:
+            if isinstance(optimizer, torch.optim.SGD):
+                factor = 1 if group.get("momentum", 0) else 0
+            else:
+                factor = 3 if group.get("amsgrad", False) else 2
+            size = sum(nbytes(p) for p in group["params"])
+            weighted, total = weighted + factor * size, total + size
+        return weighted / total if total else 0.0
+    held = [(p, s) for group in optimizer.param_groups for p in group["params"] if (s := optimizer.state.get(p))]
+    if not held:
+        raise ValueError(
+            f"fastpipe: {type(optimizer).__name__} holds no state yet, so its size is unknown; run one step "
+            "first, or pass optimizer=<state bytes per parameter byte> (e.g. 2.0 for two moments)"
+        )
+    state = sum(nbytes(t) for _, s in held for t in s.values() if isinstance(t, torch.Tensor))
+    return state / max(1, sum(nbytes(p) for p, _ in held))
+
+
+def _checkpointed(mode: str, per_minibatch: int) -> Sequence[bool] | None:
+    if mode not in _CHECKPOINT:
+        raise ValueError(f"fastpipe: checkpoint must be one of {_CHECKPOINT}, got {mode!r}")
+    return None if mode == "never" else [mode == "always" or (m + 1) % per_minibatch != 0 for m in range(per_minibatch)]
+
+
+def predict_memory(
+    schedule: Schedule,
+    stages: Sequence[StageBytes],
+    *,
+    times: Mapping[Action, tuple[int, float, float]] | None = None,
+    checkpoint: str = "never",
+    optimizer: OptimizerSpec = None,
+    skips: Sequence[tuple[int, int, float]] = (),
+    wgrad_batch: int = 1,
+    input_grad: bool = False,
+    first_input: bool = False,
+    weight_policy: str = "sync",
+    receive_buffers: int | Sequence[int] = 0,
+) -> list[DeviceMemory]:
+    """The predicted peak of every device (worker) of ``schedule`` over one step, by part.
+
+    Args:
+        schedule: the schedule (one step, or a stream of mini-batches for ``fit``).
+        stages: one :class:`StageBytes` per stage of the schedule.
+        times: its timing, from :func:`~fastpipe.schedule.simulate.simulate_times` with the
+            measured costs; default unit costs.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as the pipe's.
+        optimizer: see :func:`optimizer_factor`.
+        skips: the skips that cross stages, ``(producer, consumer, bytes)``
+            (:func:`fastpipe.model.skip_memory.stage_skip_edges`).
+        wgrad_batch: micro-batches whose deferred Linear work one ``W`` runs, the runtime's.
+        input_grad: whether the first stage's input needs a gradient: its gradient is then
+            kept for the caller from the backward to the end of the step; where it is not needed,
+            the runtime runs that stage's ``B`` directly followed by its ``W`` as one backward.
+        first_input: whether the first stage's input micro-batches are copies made on the
+            device (True) or views of the caller's batch, which is there already (False).
+        weight_policy: the consistency policy of an asynchronous ``fit``
+            (``"sync"``, ``"stale"``, ``"stash"``, ``"predict"``); only a stream of mini-batches holds copies.
+        receive_buffers: bytes a transport keeps between steps, per stage (or one for every stage).
+
+    Raises:
+        ValueError: a list of the wrong length or a value out of range, named.
+        ScheduleError: ``times`` lacks an action of the schedule.
+    """
+    n = schedule.num_stages
+    if len(stages) != n:
+        raise ValueError(f"fastpipe: {len(stages)} StageBytes for a schedule of {n} stages; give one per stage")
+    if weight_policy not in _POLICIES:
+        raise ValueError(f"fastpipe: weight_policy must be one of {_POLICIES}, got {weight_policy!r}")
+    buffers = [receive_buffers] * n if isinstance(receive_buffers, int) else list(receive_buffers)
+    if len(buffers) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in buffers):
+        raise ValueError(
+            f"fastpipe: receive_buffers must be bytes >= 0, one int or {n} of them; got {receive_buffers!r}"
+        )
+    factor = optimizer_factor(optimizer)
+    per_minibatch = schedule.minibatch_size or schedule.num_microbatches
+    recompute = _checkpointed(checkpoint, per_minibatch)
+    timed = simulate_times(schedule) if times is None else times
+    unsplit = frozenset() if input_grad else frozenset(p for p in adjacent_pairs(schedule) if p[0] == 0)
+    release = weight_release(schedule, wgrad_batch, unsplit)
+    inputs = [st.input for st in stages]
+    if not first_input:
+        inputs[0] = 0
+    produced = {s: 0 for s in range(n)}
+    consumed = {s: 0 for s in range(n)}
+    for producer, consumer, nbytes in skips:
+        if not (0 <= producer < consumer < n) or nbytes < 0:
+            raise ValueError(
+                f"fastpipe: skip {(producer, consumer, nbytes)} is not (producer < consumer < {n}, bytes >= 0)"
+            )
+        produced[producer] += int(nbytes)
+        consumed[consumer] += int(nbytes)
+
+    def when(action: Action) -> tuple[int, float, float]:
+        try:
+            return timed[action]
+        except KeyError:
+            raise ScheduleError(f"times has no entry for {action}; simulate the schedule it came with") from None
+
+    points: list[list[tuple[float, float, str]]] = [[] for _ in range(schedule.num_workers)]
+    first_grad: dict[int, float] = {}
+    writes = collections.Counter(release.values())  # the Ws that run deferred GEMMs, and for how many
+    for action, (w, start, end) in timed.items():
+        s, m = action.stage, action.microbatch
+        st, add, held_in = stages[s], points[w].append, inputs[s]
+        redo = recompute is not None and recompute[m % per_minibatch]
+        kept = 0 if redo else st.activation
+        if action.kind == "F":
+            add((start, held_in + kept + st.f_transient, "activations"))
+            add((end, -st.f_transient, "activations"))
+            add((start, produced[s] + consumed[s], "skips"))
+        elif action.kind in ("B", "BW"):
+            split = (s, m) in release
+            during = (st.b_transient if split else st.bw_transient) + (st.activation if redo else 0)
+            add((start, during, "activations"))
+            add((end, -during, "activations"))
+            add((end, -kept - (0 if split else held_in), "activations"))
+            if s == 0 and input_grad:
+                add((end, st.input, "input_grads"))
+            add((end, -produced[s] - (0 if split else consumed[s]), "skips"))
+            if split:
+                _, _, w_end = when(Action("W", s, m))
+                _, _, batch_end = when(release[(s, m)])
+                add((end, st.w_kept + st.w_records, "w_records"))
+                add((w_end, -st.w_kept, "w_records"))
+                add((batch_end, -st.w_records, "w_records"))
+                add((w_end, -held_in, "activations"))
+                add((w_end, -consumed[s], "skips"))
+        # A backward frees its saved tensors as it writes the sums, so they peak at one of its
+        # ends; a W frees its records only when done, so its sums add to them from its start.
+        if action.kind == "BW" or (action.kind == "B" and (s, m) in unsplit):
+            first_grad[s] = min(first_grad.get(s, end), end)
+        elif action in writes:
+            first_grad[s] = min(first_grad.get(s, start), start)
+            stacked = st.w_stacked * writes[action] if writes[action] > 1 else 0
+            add((start, stacked, "w_records"))
+            add((end, -stacked, "w_records"))
+    for stage, at in first_grad.items():
+        points[schedule.worker_of(stage)].append((at, float(stages[stage].trainable), "gradients"))
+
+    copies = weight_versions(schedule)[weight_policy] if schedule.minibatch_size else [0] * n
+    devices = []
+    for w in range(schedule.num_workers):
+        held = schedule.stages_of(w)
+        _, at_peak = sweep_peak(points[w])
+        devices.append(
+            DeviceMemory(
+                worker=w,
+                stages=held,
+                parameters=sum(stages[s].parameters for s in held),
+                gradients=round(at_peak.get("gradients", 0.0)),
+                optimizer=round(factor * sum(stages[s].stepped for s in held)),
+                activations=round(at_peak.get("activations", 0.0)),
+                w_records=round(at_peak.get("w_records", 0.0)),
+                skips=round(at_peak.get("skips", 0.0)),
+                input_grads=round(at_peak.get("input_grads", 0.0)),
+                weight_versions=sum(copies[s] * stages[s].trainable for s in held),
+                receive_buffers=sum(buffers[s] for s in held),
+            )
+        )
+    return devices
+
+
+def require_fit(devices: Sequence[DeviceMemory], memory_limit: int) -> None:
+    """Raise unless every device's predicted peak is within ``memory_limit`` bytes.
+
+    Raises:
+        ValueError: naming the first device over the limit, the least it needs and its parts,
+            e.g. ``device 2 (stages 2) needs at least 3.10 GiB, over memory_limit=3.00 GiB:
+            parameters 1.20 GiB, optimizer 1.50 GiB, ...``.
+    """
+    over = [d for d in devices if d.total > memory_limit]
+    if over:
+        d = max(over, key=lambda d: d.total)
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in d.parts.items() if n)
+        where = ", ".join(str(s) for s in d.stages)
+        raise ValueError(
+            f"fastpipe: device {d.worker} (stages {where}) needs at least {format_bytes(d.total)}, over "
+            f"memory_limit={format_bytes(memory_limit)}: {parts}. Raise the limit, recompute "
+            "(checkpoint='always'), use fewer or smaller micro-batches, or spread the model over more devices"
+        )

@@ -1,0 +1,310 @@
+"""Measuring what each stage holds for one micro-batch, by running it as the step runner does.
+
+:func:`measure_stages` cuts the model as a pipe would (ties become reader copies,
+:func:`fastpipe.model.ties.split_tied`) and runs each stage on one micro-batch with the
+runtime's own split backward: Linears routed through
+:class:`~fastpipe.runtime.wgrad.DeferringLinear`, vector parameters taken early, ``B`` by
+:func:`~fastpipe.runtime.split_backward.backward_inputs`. It then counts storages, each once,
+parameters left out:
+
+* after the forward: the input, the tensors autograd saved (a ``saved_tensors_hooks`` holder
+  per tensor, alive until autograd frees it) and the output;
+* after ``B``: the deferred Linear records (``x``, ``dy``), and what else is still alive: saved
+  tensors of a retained graph, the outputs ``W`` keeps, gradients ``B`` took early.
+
+For the MLP ``Linear(256, 1024) · GELU · Linear(1024, 256)`` on 512 fp32 rows that is 4.50 MiB
+saved in the forward (0.5 input, 2 + 2 hidden) and 5.00 MiB of records after ``B`` (per
+Linear its input and output gradient: 0.5 + 2, 2 + 0.5). Skips are left out of both (the model
+counts them apart, :func:`fastpipe.model.skip_memory.stage_skip_edges`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from fastpipe.memory.accounting import PeakMeter
+from fastpipe.memory.model import StageBytes
+from fastpipe.model.side_inputs import run_layers
+from fastpipe.model.skips import SkipStore, has_skips
+from fastpipe.model.ties import split_tied
+from fastpipe.runtime.split_backward import backward_inputs, backward_weights
+from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
+from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
+
+__all__ = ["measure_stages"]
+
+
+class _Saved:
+    """The storages autograd holds through saved tensors, while it holds them."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.skip = skip  # parameter storages
+        self.alive: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
+
+    def pack(self, t: Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.skip:
+            return t
+        return _Holder(t, self)
+
+    @staticmethod
+    def unpack(held: Any) -> Tensor:
+        return held.tensor if isinstance(held, _Holder) else held
+
+    def alive_bytes(self) -> dict[int, int]:
+        return {ptr: entry[0] for ptr, entry in self.alive.items()}
+
+
+class _Holder:
+    __slots__ = ("tensor", "ptr", "owner")
+
+    def __init__(self, tensor: Tensor, owner: _Saved) -> None:
+        self.tensor, self.owner = tensor, owner
+        storage = tensor.untyped_storage()
+        self.ptr = storage.data_ptr()
+        entry = owner.alive.setdefault(self.ptr, [storage.nbytes(), 0])
+        entry[1] += 1
+
+    def __del__(self) -> None:
+        entry = self.owner.alive[self.ptr]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.owner.alive[self.ptr]
+
+
+def _storages(tensors: Iterable[Tensor | None]) -> dict[int, int]:
+    found = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def _bytes(found: Mapping[int, int], *without: Mapping[int, int]) -> int:
+    return sum(n for ptr, n in found.items() if ptr and not any(ptr in w for w in without))
+
+
+def _received(t: Tensor, grad: bool) -> Tensor:
+    """A tensor as a stage receives it: a fresh leaf of its own size."""
+    return t.detach().clone().requires_grad_(grad and (t.is_floating_point() or t.is_complex()))
+
+
+def measure_stages(
+    module: nn.Sequential,
+    balance: Sequence[int],
+    sample: Value,
+    *,
+    side_inputs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    target: Any = None,
+    fused_wgrad: bool = True,
+    transients: bool = True,
+) -> list[StageBytes]:
+    """Each stage's :class:`~fastpipe.memory.model.StageBytes` for one micro-batch ``sample``.
+
+    Args:
+        module: the model.
+        balance: layers per stage, as the pipe's (``[1] * len(module)``: per layer, whose sum over a
+            stage approximates that stage, less exactly where a graph is retained).
+        sample: one micro-batch of input; its tensors require grad as the caller's would.
+        side_inputs: keyword inputs of the layers that declare them, for this micro-batch.
+        loss_fn: applied to the last stage's output and ``target``, as ``train_step``'s loss;
+            None: the output's gradient is ones.
+        target: this micro-batch's target for ``loss_fn``.
+        fused_wgrad: the pipe's ``fused_wgrad`` (False: every weight gradient is left to autograd).
+        transients: measure the bytes each action holds only while it runs
+            (:attr:`~fastpipe.memory.model.StageBytes.f_transient`, ``b_transient``,
+            ``bw_transient``) with :class:`~fastpipe.memory.accounting.PeakMeter` on the stage's
+            device; False: 0. On CPU that builds the byte counter once (a C++ compiler).
+
+    Raises:
+        ValueError: ``balance`` does not cover ``module``.
+        fastpipe.memory._cpu_counter.CounterUnavailableError: ``transients`` on CPU where the
+            counter cannot be built; pass ``transients=False``.
+    """
+    if sum(balance) != len(module) or any(b < 1 for b in balance):
+        raise ValueError(f"fastpipe: balance {list(balance)} must be counts >= 1 summing to len(module)={len(module)}")
+    stages, ties = split_tied(module, balance)
+    copies = {id(t.copy()) for t in ties if t.is_parameter}
+    side = dict(side_inputs or {})
+    outside = _storages([*_tensors(side), *_tensors(target)])  # the caller's, alive before and after
+    run = _Run(value=replace_tensors(sample, [_received(t, t.requires_grad) for t in tensors_of(sample)]))
+    if transients:  # the counter must see the forward's storages allocated to see them freed
+        with PeakMeter(_device_of(run.value)):
+            pass
+    measured = []
+    for s, stage in enumerate(stages):
+        last = s == len(stages) - 1
+        finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
+        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients)
+        params = [p for p in stage.parameters() if p.requires_grad]
+        measured.append(
+            dataclasses.replace(
+                found, optimized=found.trainable - _bytes(_storages(p for p in params if id(p) in copies))
+            )
+        )
+    return measured
+
+
+@dataclasses.dataclass
+class _Run:
+    """What flows from one stage's measurement to the next: its output, and skips still to be popped."""
+
+    value: Value
+    pending: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _device_of(value: Value) -> torch.device:
+    return tensors_of(value)[0].device
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One forward of a stage: its output and the skips it popped and stashed."""
+
+    out: Any
+    skips_in: list[Tensor]
+    skips_out: list[Tensor]
+    left: dict[str, Tensor]  # the skips still to go on after it: received and not popped, or stashed
+
+    def roots(self) -> list[Tensor]:
+        return [t for t in [*tensors_of(self.out), *self.skips_out] if t.requires_grad]
+
+
+def _forward(stage: nn.Module, run: _Run, side: dict[str, Any], finish: Callable[[Any], Tensor] | None) -> _Pass:
+    received = dict(run.pending)
+    store = SkipStore(received) if has_skips(stage) else None
+    out = run_layers(stage, run.value, side, store)
+    if finish is not None:
+        out = finish(out)
+    left = store.values if store is not None else received
+    return _Pass(
+        out,
+        [t for n, t in run.pending.items() if n not in left],
+        [t for n, t in left.items() if n not in run.pending],
+        dict(left),
+    )
+
+
+def _measure_stage(
+    stage: nn.Module,
+    run: _Run,
+    side: dict[str, Any],
+    finish: Callable[[Any], Tensor] | None,
+    outside: dict[int, int],
+    fused_wgrad: bool,
+    transients: bool,
+) -> StageBytes:
+    """One stage on ``run.value``: its bytes; ``run`` moves on to the next stage's input."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    linears = fusable_linears(stage, params) if fused_wgrad else []
+    early = [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1]
+    fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
+    inputs = tensors_of(run.value)
+    device = _device_of(run.value)
+    combined = _combined_transient(stage, run, side, finish, params, linears, device) if transients else 0
+    saved = _Saved(set(fixed))
+    records = Deferred()
+    with accumulating_linears(linears, records), torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), _peak(device, transients) as forward:
+            ran = _forward(stage, run, side, finish)
+        seen = _storages(inputs)
+        apart = [seen, fixed, _storages([*ran.skips_in, *ran.skips_out])]  # input, parameters, skips
+        activation = _bytes({**saved.alive_bytes(), **_storages(tensors_of(ran.out))}, *apart)
+        roots = ran.roots()
+        leaves = [t for t in [*inputs, *ran.skips_in] if t.requires_grad]
+        with _peak(device, transients) as meter:
+            _, work = backward_inputs(
+                roots, [torch.ones_like(t) for t in roots], leaves, params, early=early, records=records
+            )
+    deferred = _storages(t for r in records.records for t in r[2:])
+    kept = {**saved.alive_bytes(), **_storages(work.keep), **_storages(g for _, g in work.early)}
+    result = StageBytes(
+        parameters=_bytes(_storages(stage.parameters())),
+        activation=activation,
+        input=_bytes(seen),
+        w_records=_bytes(deferred, *apart),
+        w_kept=_bytes(kept, deferred, *apart),
+        gradients=_bytes(_storages(params)),
+        f_transient=0 if forward is None else _above(forward),
+        b_transient=0 if meter is None else _above(meter),
+        bw_transient=combined,
+        w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
+    )
+    backward_weights(work, [None] * len(params))
+    run.pending = {n: t if n in run.pending else _received(t, True) for n, t in ran.left.items()}
+    run.value = replace_tensors(ran.out, [_received(t, t.requires_grad) for t in tensors_of(ran.out)])
+    return result
+
+
+def _above(meter: PeakMeter) -> int:
+    """What a block held at its peak above both its start and its end."""
+    return max(0, meter.result.peak - max(0, meter.result.end))
+
+
+def _combined_transient(
+    stage: nn.Module,
+    run: _Run,
+    side: dict[str, Any],
+    finish: Callable[[Any], Tensor] | None,
+    params: list[nn.Parameter],
+    linears: list[nn.Linear],
+    device: torch.device,
+) -> int:
+    """:attr:`StageBytes.bw_transient`: a backward into ``.grad`` sums that exist, as every ``BW`` but a first runs.
+
+    A first backward allocates the sums as it goes; the model counts them from its end, and a
+    later backward, which adds into them in place, holds as much in flight (measured: less).
+    """
+    before = [p.grad for p in params]
+    leaves = [t for t in [*tensors_of(run.value), *run.pending.values()] if t.requires_grad]
+    try:
+        for p in params:
+            p.grad = None
+        with accumulating_linears(linears), torch.enable_grad():
+            for first in (True, False):
+                roots = _forward(stage, run, side, finish).roots()
+                grads = [torch.ones_like(t) for t in roots]
+                if not roots or not (leaves or params):
+                    return 0
+                with _peak(device, not first) as meter:
+                    torch.autograd.backward(roots, grads, inputs=[*leaves, *params])
+                for t in leaves:
+                    t.grad = None
+            assert meter is not None
+            return _above(meter)
+    finally:
+        for p, g in zip(params, before):
+            p.grad = g
+        for t in leaves:
+            t.grad = None
+
+
+@contextlib.contextmanager
+def _peak(device: torch.device, on: bool) -> Iterator[PeakMeter | None]:
+    """A :class:`PeakMeter` on ``device`` around the block (garbage collection held off), or None."""
+    if not on:
+        yield None
+        return
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with PeakMeter(device) as meter:
+            yield meter
+    finally:
+        if was:
+            gc.enable()
