@@ -4,6 +4,8 @@ Stage 0's rank splits the input into micro-batches and shares their sizes, the s
 its schedule's digest with the pipeline (one broadcast); every rank then splits its own side
 inputs, the last rank its targets, and every rank checks that it runs stage 0's schedule. An
 error on one rank is reported to the others (``DistributedRuntime.reported``), so none hangs.
+Inputs and targets in host memory reach a GPU stage without blocking the host
+(:func:`fastpipe.step.host_io.value_to`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from fastpipe.rng.streams import draw_step_seed
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for
 from fastpipe.schedule.digest import schedule_digest
-from fastpipe.step.microbatch import Value, batch_size, check_value, scatter, to_device
+from fastpipe.step.host_io import value_to
+from fastpipe.step.microbatch import Value, batch_size, check_value, scatter
 from fastpipe.step.rules import given_schedule, loss_weights, microbatch_weights, split_targets
 
 if TYPE_CHECKING:
@@ -62,7 +65,7 @@ def rank_step(
             if input is None:
                 raise ValueError("fastpipe: stage 0's rank needs the input")
             check_value(input, "input")
-            microbatches = scatter(to_device(input, pipe.device), pipe.chunks)
+            microbatches = scatter(value_to(input, pipe.device), pipe.chunks)
             sizes = [batch_size(x) for x in microbatches]
             side_mbs = split_side_inputs(side, sum(sizes), pipe.chunks, len(sizes)) if side else []
     digest = schedule_digest(schedule)
@@ -85,7 +88,7 @@ def rank_step(
             split = split_targets(target, pipe.chunks, sizes)
             # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
             weights = microbatch_weights(loss_fn, split, sizes, "train_step")
-            targets = [to_device(t, pipe.device) for t in split]
+            targets = [value_to(t, pipe.device) for t in split]
     else:  # only the last rank runs the loss, so only its weights count
         weights = loss_weights(getattr(loss_fn, "reduction", "mean"), sizes)
     built = schedule or build_for(pipe.schedule, len(pipe.balance), runtime.size, count)

@@ -27,6 +27,13 @@ from torch import Tensor
 
 from fastpipe.distributed.backend import abort_nccl, require_backend
 from fastpipe.distributed.dp_reduce import Bucket, connect_replicas, finish_reduce, start_reduce
+from fastpipe.distributed.host_values import (
+    LOSS_DTYPES,
+    LossReadback,
+    host_all_reduce,
+    host_broadcast,
+    host_reduce_groups,
+)
 from fastpipe.distributed.p2p import P2PTransport
 from fastpipe.distributed.p2p_ordered import OrderedTransport
 from fastpipe.distributed.ranks import check_nccl_device, check_rank_stages, check_same_transport, order_matched
@@ -133,6 +140,8 @@ class DistributedRuntime:
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
         connect_replicas(dp_group, self.comm_device, self.wait_collective)  # NCCL's communicator now, not in step 1
+        # Where each group reduces the host's values: the gloo control group, then the replicas'.
+        self.host_groups = [(self.control_group, torch.device("cpu")), *host_reduce_groups(dp_group, self.comm_device)]
         routes = share_skip_routes(self.stages, num_stages, self.control_group)  # fastpipe.model.skips
         # Skips are edges of the dataflow: an order-matched transport plans their messages too.
         self.skip_edges = tuple((p, c) for p, sk in enumerate(routes) for c, _ in sk.sends)
@@ -224,18 +233,17 @@ class DistributedRuntime:
         self.watchdog.wait_collective(work, what)
 
     def broadcast(self, values: Tensor, src: int, what: str) -> Tensor:
-        """``values`` of the pipeline group's rank ``src`` on every rank (a CPU tensor), bounded."""
-        buf = values.to(self.comm_device)
-        work = dist.broadcast(buf, src=self.global_rank_of(src), group=self.group, async_op=True)
-        self.wait_collective(work, what)
-        return buf.cpu()
+        """``values`` of the pipeline group's rank ``src`` on every rank (a CPU tensor, over gloo), bounded."""
+        return host_broadcast(values, self.global_rank_of(src), self.control_group, self.wait_collective, what)
 
     def dp_mean(self, values: Tensor, what: str) -> Tensor:
         """The mean of ``values`` over the data-parallel replicas (a CPU tensor), bounded."""
-        buf = values.to(self.comm_device)
-        work = dist.all_reduce(buf, group=self.dp_group, async_op=True)
-        self.wait_collective(work, what)
-        return buf.cpu() / dist.get_world_size(self.dp_group)
+        reduced = host_all_reduce(values, self.host_groups[1:], self.wait_collective, what)
+        return reduced / dist.get_world_size(self.dp_group)
+
+    def agree_max(self, values: Tensor, what: str) -> Tensor:
+        """The element-wise max of ``values`` over the pipeline's ranks and their replicas (a CPU tensor), bounded."""
+        return host_all_reduce(values, self.host_groups, self.wait_collective, what, dist.ReduceOp.MAX)
 
     def reduce_stage_grads(self, stage: int, grads: list[Tensor | None]) -> None:
         """Average ``stage``'s gradients over the data-parallel replicas, in place (None -> zeros)."""
@@ -264,9 +272,8 @@ class DistributedRuntime:
             assert sizes is not None
             buf[0], buf[1], buf[2] = len(sizes), step_seed, digest
             buf[3 : 3 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)
-        buf = self.broadcast(buf, self.first_rank, "the micro-batch sizes")
-        count = int(buf[0])
-        return [int(v) for v in buf[3 : 3 + count]], int(buf[1]), int(buf[2])
+        shared = self.broadcast(buf, self.first_rank, "the micro-batch sizes").tolist()
+        return shared[3 : 3 + shared[0]], shared[1], shared[2]
 
     def train(
         self,
@@ -313,6 +320,7 @@ class DistributedRuntime:
         actions = schedule.workers[self.rank]
         steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}
+        readback = LossReadback(loss.weights) if self.rank == self.last_rank else None
         reductions: list[Bucket] = []
         try:
             self.transport.begin(actions)
@@ -344,6 +352,8 @@ class DistributedRuntime:
                     where = _where(action, actions[i + 1 :], self.steps)
                     self.watchdog.fail(f"rank {self.global_rank} ({where}) raised {type(exc).__name__}: {exc}")
                     raise annotate(exc, f"fastpipe: raised on rank {self.global_rank} in {where}") from None
+                if readback is not None:
+                    readback.poll(runner.results)
                 if self.recorder is not None:
                     self._record_wait(inputs(schedule, action), called, start)
                     self.recorder(self.rank, str(action), start, time.perf_counter())
@@ -356,40 +366,29 @@ class DistributedRuntime:
             for bucket in reductions:
                 self.wait_collective(bucket.work, f"the data-parallel gradient all-reduce of stage {bucket.stage}")
                 finish_reduce(runner.param_grads[bucket.stage], bucket, self.dp_group)
-            return self._share_loss(runner, loss)
+            return self._share_loss(readback.read(runner.results) if readback is not None else None, runner)
         except BaseException:
             state.tasks.clear()
             self.transport.reset()
             raise
 
-    # -- the loss ------------------------------------------------------------------
-
-    def _share_loss(self, runner: StepRunner, loss: LossSpec) -> StepOutcome:
-        buf = torch.zeros(3, dtype=torch.float64)  # loss, 1 + first non-finite micro-batch, loss dtype
-        if self.rank == self.last_rank:
-            losses: list[Tensor] = [runner.results[m] for m in range(len(loss.weights))]  # type: ignore[misc]
-            total = torch.stack([w * value for w, value in zip(loss.weights, losses)]).sum()
-            bad = [m for m, value in enumerate(losses) if not torch.isfinite(value).all()]
-            buf[0] = total.double()
-            buf[1] = bad[0] + 1 if bad else 0
-            buf[2] = _LOSS_DTYPES.index(total.dtype) if total.dtype in _LOSS_DTYPES else -1
+    def _share_loss(self, message: Tensor | None, runner: StepRunner) -> StepOutcome:
+        buf = message if message is not None else torch.zeros(3, dtype=torch.float64)
         buf = self.broadcast(buf, self.last_rank, "the step's loss")
+        _, first_bad, code = buf.tolist()
         # Every rank returns the loss in the last stage's dtype (a float64 model's loss is not rounded).
-        dtype = _LOSS_DTYPES[int(buf[2])] if buf[2] >= 0 else torch.get_default_dtype()
-        nonfinite = f"micro-batch {int(buf[1]) - 1}" if buf[1] > 0 else None
+        dtype = LOSS_DTYPES[int(code)] if code >= 0 else torch.get_default_dtype()
+        nonfinite = f"micro-batch {int(first_bad) - 1}" if first_bad > 0 else None
         if self.dp_group is not None:
             flags = self.dp_mean(torch.stack([buf[0], (buf[1] > 0).double()]), "the data-parallel loss all-reduce")
             buf[0] = flags[0]
-            if nonfinite is None and flags[1] > 0:
+            if nonfinite is None and flags.tolist()[1] > 0:
                 nonfinite = "another data-parallel replica"
         return StepOutcome(buf[0].to(dtype), nonfinite, runner.param_grads)
 
     def close(self) -> None:
         """Drop pending state; the process groups stay the caller's to destroy."""
         self.transport.close()
-
-
-_LOSS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _where(action: Action | None, ahead: Sequence[Action], step: int) -> str:

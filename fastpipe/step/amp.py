@@ -22,24 +22,38 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 __all__ = ["distributed_loss_scale", "loss_scale"]
 
 
-def loss_scale(scaler: Any, device: torch.device) -> float:
-    """The factor by which ``scaler`` scales the loss this step (1.0 without one, or disabled).
+def _scale_on(scaler: Any, device: torch.device) -> Tensor | None:
+    """``scaler``'s scale as a tensor on ``device`` (None without a scaler, or disabled); no host read.
 
     Raises:
         TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
     """
     if scaler is None:
-        return 1.0
+        return None
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"fastpipe: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if not scaler.is_enabled():
-        return 1.0
+        return None
     # scaler.scale() also creates the scale on first use, which scaler.step() relies on.
-    return float(scaler.scale(torch.ones((), device=device)).item())
+    return scaler.scale(torch.ones((), device=device))
+
+
+def loss_scale(scaler: Any, device: torch.device) -> float:
+    """The factor by which ``scaler`` scales the loss this step (1.0 without one, or disabled).
+
+    The loss weights are host numbers, so the scale is read once a step; on a GPU that read
+    waits for the work queued before it (the previous step's ``scaler.update()``).
+
+    Raises:
+        TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
+    """
+    scale = _scale_on(scaler, device)
+    return 1.0 if scale is None else scale.item()
 
 
 def _ranks(group: Any) -> set[int]:
@@ -54,13 +68,13 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
             not skip steps on all of them together (see the module docstring).
         ValueError: the ranks' scalers scale by different factors (the same on every rank).
     """
-    scale = loss_scale(scaler, device)
-    if scaler is None or not scaler.is_enabled():
-        return scale  # the common case: no lookups, no collective
+    scale = _scale_on(scaler, device)
+    if scale is None:
+        return 1.0  # the common case: no lookups, no collective
     groups = [g for g in (runtime.group, runtime.dp_group) if g is not None]
     needed = set().union(*(_ranks(g) for g in groups))
     if len(needed) == 1:
-        return scale
+        return scale.item()
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     if not isinstance(scaler, ShardedGradScaler):
@@ -77,15 +91,12 @@ def distributed_loss_scale(scaler: Any, device: torch.device, runtime: Any) -> f
             "(and its data-parallel replicas); skipped steps would not agree across them"
         )
     # Every rank must scale alike, or the losses of one step would mix scales; a check costs one
-    # small all-reduce per group, bounded like every other wait.
-    both = torch.tensor([scale, -scale], dtype=torch.float64, device=runtime.comm_device)
-    for group in groups:
-        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        runtime.wait_collective(work, "the loss scale check")
-    high, low = float(both[0]), -float(both[1])
+    # small all-reduce on the host per group, bounded like every other wait, and one read.
+    high, low = runtime.agree_max(torch.stack([scale, -scale]).double(), "the loss scale check").tolist()
+    low = -low
     if high != low:
         raise ValueError(
             f"fastpipe: the ranks' GradScalers scale the loss by different factors ({low:g} to "
             f"{high:g}); create them alike on every rank and step/update them on every rank"
         )
-    return scale
+    return high

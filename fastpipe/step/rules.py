@@ -23,9 +23,14 @@ are all ignored, whose mean alone would be NaN).
 A loss of your own that averages over a count of its own (valid tokens, a mask's sum) says
 so with two methods, ``summed(output, target)`` (the loss summed over what counts) and
 ``normaliser(target)`` (what its mean divides by); :func:`token_loss` builds one from two
-functions. The pipeline then runs ``summed`` per micro-batch and divides by the mini-batch's
-normaliser, as for cross-entropy. A plain function has no ``reduction`` to read: it is taken
-for a per-sample mean, with a warning once when that weighting matters (several micro-batches).
+functions (:mod:`fastpipe.step.token_loss`). The pipeline then runs ``summed`` per micro-batch
+and divides by the mini-batch's normaliser, as for cross-entropy. A plain function has no
+``reduction`` to read: it is taken for a per-sample mean, with a warning once when that
+weighting matters (several micro-batches).
+
+The counts and normalisers are computed where the targets are, per micro-batch, and read
+together once (:func:`fastpipe.step.host_io.read_floats`): one host read a step, not one per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.builders import STAGES_PER_WORKER, build_for
 from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, is_auto
+from fastpipe.step.host_io import read_floats
 from fastpipe.step.microbatch import batch_size, check_value, scatter
+from fastpipe.step.token_loss import TokenLoss, TokenNormalised, declares_normaliser, token_loss
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -166,78 +174,6 @@ def split_targets(target: Any, chunks: int, sizes: Sequence[int] | None) -> list
     return targets
 
 
-@runtime_checkable
-class TokenNormalised(Protocol):
-    """A mean loss that declares what it divides by, so that micro-batches can be weighed exactly.
-
-    ``loss(output, target)`` equals ``loss.summed(output, target) / loss.normaliser(target)``
-    on any batch; the pipeline runs ``summed`` on each micro-batch and divides the sum by
-    the mini-batch's normaliser, the sum of the micro-batches' ones.
-    """
-
-    def summed(self, output: Any, target: Any) -> Tensor:
-        """The loss summed over what counts (valid tokens, weighted samples)."""
-        ...
-
-    def normaliser(self, target: Any) -> float | Tensor:
-        """What the mean over ``target`` divides by (e.g. the number of valid tokens)."""
-        ...
-
-
-class TokenLoss:
-    """A mean loss built from its sum and its normaliser (see :func:`token_loss`)."""
-
-    reduction = "mean"
-
-    def __init__(
-        self, summed: Callable[[Any, Any], Tensor], normaliser: Callable[[Any], float | Tensor], name: str = ""
-    ) -> None:
-        self._summed = summed
-        self._normaliser = normaliser
-        self.name = name or getattr(summed, "__name__", "token_loss")
-
-    def summed(self, output: Any, target: Any) -> Tensor:
-        """The loss summed over what counts."""
-        return self._summed(output, target)
-
-    def normaliser(self, target: Any) -> float | Tensor:
-        """What the mean over ``target`` divides by."""
-        return self._normaliser(target)
-
-    def __call__(self, output: Any, target: Any) -> Tensor:
-        """The mean: ``summed / normaliser`` (what the plain model's loss computes)."""
-        return self._summed(output, target) / self._normaliser(target)
-
-    def __repr__(self) -> str:
-        return f"TokenLoss({self.name})"
-
-
-def token_loss(summed: Callable[[Any, Any], Tensor], normaliser: Callable[[Any], float | Tensor]) -> TokenLoss:
-    """A loss ``summed(output, target) / normaliser(target)`` that pipelines exactly.
-
-    Example, a masked mean whose target is a namedtuple (each micro-batch's is one too)::
-
-        Target = collections.namedtuple("Target", "value mask")
-        loss_fn = fastpipe.token_loss(
-            lambda out, y: (F.mse_loss(out, y.value, reduction="none") * y.mask).sum(),
-            lambda y: y.mask.sum(),
-        )
-        loss = pipe.train_step(x, Target(value, mask), loss_fn)
-
-    Args:
-        summed: the loss of a batch summed over what counts.
-        normaliser: what the loss's mean over a batch's target divides by.
-
-    Returns:
-        A :class:`TokenLoss`, whose call is the mean.
-    """
-    return TokenLoss(summed, normaliser)
-
-
-def _declares_normaliser(loss_fn: Any) -> bool:
-    return callable(getattr(loss_fn, "summed", None)) and callable(getattr(loss_fn, "normaliser", None))
-
-
 _COUNTING_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 
@@ -257,13 +193,23 @@ def target_weight(loss_fn: Any, targets: Sequence[Tensor]) -> float:
     """What the mean of a class-index ``CrossEntropyLoss``/``NLLLoss`` divides by, over ``targets``.
 
     Every target that is not ``ignore_index`` counts by its class weight (1 without ``weight``).
+    Each micro-batch's share is computed where its targets are and all are read at once.
     """
     ignore = int(loss_fn.ignore_index)
     weight: Tensor | None = loss_fn.weight
-    total = 0.0
+    weights = {t.device: weight.to(t.device) for t in targets} if weight is not None else {}
+    shares: list[Tensor] = []
     for t in targets:
-        valid = t[t != ignore]
-        total += float(valid.numel() if weight is None else weight.to(t.device)[valid].sum())
+        counts = t != ignore
+        if weight is None:
+            shares.append(counts.sum())
+        elif t.device.type == "cpu":
+            shares.append(weights[t.device][t[counts]].sum())
+        else:  # boolean indexing would read its length on the host: the same sum, zeros kept in place
+            shares.append(torch.where(counts, weights[t.device][t.where(counts, 0)], 0).sum())
+    total = 0.0
+    for share in read_floats(shares, "a class-index target's weight"):
+        total += share
     return total
 
 
@@ -273,7 +219,7 @@ def microbatch_loss(loss_fn: Any, targets: Sequence[Any]) -> Callable[[Any, Any]
     The twin is a shallow copy with ``reduction="sum"``: it shares the class weights and the
     caller's ``loss_fn`` is left as it is. A loss that declares its normaliser runs its ``summed``.
     """
-    if _declares_normaliser(loss_fn):
+    if declares_normaliser(loss_fn):
         return loss_fn.summed
     if not _counts_targets(loss_fn, targets):
         return loss_fn
@@ -296,9 +242,9 @@ def microbatch_weights(loss_fn: Any, targets: Sequence[Any], sizes: Sequence[int
         plain loss, when no target counts), ``1 / sum of normalisers`` for a loss that declares
         its own (:class:`TokenNormalised`); else :func:`loss_weights` by samples.
     """
-    if _declares_normaliser(loss_fn):
+    if declares_normaliser(loss_fn):
         present = [t for t in targets if t is not None]
-        total = float(sum(float(loss_fn.normaliser(t)) for t in present))
+        total = float(sum(read_floats([loss_fn.normaliser(t) for t in present], "loss_fn.normaliser(target)")))
         return [1.0 / total if total else math.nan] * len(sizes)
     if len(sizes) > 1 and not hasattr(loss_fn, "reduction"):
         warnings.warn(
