@@ -11,6 +11,8 @@ from torch import Tensor, nn
 
 from fastpipe.asynchronous.fit_run import FitRun
 from fastpipe.balance.auto import resolve_balance
+from fastpipe.memory.limit import MemoryGuard
+from fastpipe.memory.sizes import parse_bytes
 from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.model.partition import (
     MOVE_REFUSED,
@@ -90,8 +92,8 @@ class Pipe(nn.Module):
         sample: with ``balance="auto"``: a mini-batch like the ones to come, whose layer
             costs are profiled on one micro-batch; of the splits within 5% of the least
             simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
-        memory_limit: with ``balance="auto"``: the most bytes (activations in flight plus
-            parameters, gradients and optimizer state) one stage may need.
+        memory_limit: bytes per device (an int, or ``"24GiB"``): each step's predicted peak must fit
+            or ``train_step`` raises before it runs (:mod:`fastpipe.memory.limit`); also bounds ``balance="auto"``.
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
         fused_wgrad: sum plain ``nn.Linear`` weight gradients inside their GEMM (default True).
         wgrad_batch: micro-batches per GEMM of deferred Linear weight gradients (default 2 on CPU, 1 on GPU).
@@ -121,7 +123,7 @@ class Pipe(nn.Module):
         schedule: str | AutoSchedule = "1f1b",
         virtual_stages: int = 1,
         sample: Value | None = None,
-        memory_limit: float | None = None,
+        memory_limit: float | str | None = None,
         sample_side_inputs: Mapping[str, Any] | None = None,
         fused_wgrad: bool | None = None,
         wgrad_batch: int | None = None,
@@ -148,7 +150,7 @@ class Pipe(nn.Module):
             balance,
             devices,
             sample=sample,
-            memory_limit=memory_limit,
+            memory_limit=None if memory_limit is None or balance != "auto" else parse_bytes(memory_limit),
             side_inputs=sample_side_inputs,
             chunks=chunks,
             schedule="zb-h1" if is_auto(schedule) else str(schedule),  # "auto" then searches on this balance
@@ -170,6 +172,7 @@ class Pipe(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.last_timeline: Timeline | None = None
+        self.memory_guard = None if memory_limit is None else MemoryGuard(memory_limit)
 
         # The layers under their own names (the Sequential's state_dict keys); stages stay a plain list.
         for name, layer in layers_of(module):
@@ -181,8 +184,6 @@ class Pipe(nn.Module):
         self._ties = TiedWeights(ties, [s.params for s in self._stages])
         self._runtime = LocalRuntime(self._stages, tune_malloc=options.tune_malloc)
         weakref.finalize(self, self._runtime.close)
-
-    # -- nn.Module surface --------------------------------------------------------------
 
     def __len__(self) -> int:
         return sum(self.balance)
@@ -215,8 +216,6 @@ class Pipe(nn.Module):
     def close(self) -> None:
         """Stop the worker threads now (they would stop when the Pipe is collected)."""
         self._runtime.close()
-
-    # -- running ------------------------------------------------------------------------
 
     def forward(self, input: Value, **side: Any) -> Value:
         """Run the pipeline on a mini-batch; returns the output on the last stage's device.
@@ -318,6 +317,9 @@ class Pipe(nn.Module):
             self.virtual_stages if virtual_stages is None else virtual_stages,
             AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs),
         )
+        if self.memory_guard is not None:
+            guard_args = (self.checkpoint, self._stages[-1].wgrad_batch, microbatches[0], targets[0], loss_fn)
+            self.memory_guard.check([m for p in self.partitions for m in p], self.balance, sched, *guard_args)
         self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(sizes))
         scale = loss_scale(scaler, self.devices[-1])
@@ -375,8 +377,6 @@ class Pipe(nn.Module):
         """
         kw: dict[str, Any] = {"scheduler": scheduler, "max_grad_norm": max_grad_norm, "window": window, "trace": trace}
         return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, **kw)
-
-    # -- what fit and tools read --------------------------------------------------------
 
     @property
     def runtime(self) -> LocalRuntime:

@@ -1,0 +1,102 @@
+"""``Pipe(memory_limit=...)``: each device's predicted peak checked before the first step runs.
+
+The first ``train_step`` of each schedule and micro-batch count measures the stages once on
+one micro-batch (:func:`fastpipe.memory.stage_bytes.measure_stages`), predicts every
+device's peak over the step (:func:`fastpipe.memory.model.predict_memory`: parameters,
+gradients, optimizer state, activations, W records, skips), and raises before any action
+runs when one device would exceed the limit, naming the device and what it holds.
+
+The model is within 5% of the counted bytes on every schedule
+(tests/memory/test_model_ranks.py), so a device passes only if its prediction plus
+:data:`MARGIN` fits. The optimizer is not the pipe's to know: its state is counted as
+``optimizer`` says (Adam's two moments by default, the most the common optimizers keep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from fastpipe.memory.model import DeviceMemory, OptimizerSpec, predict_memory
+from fastpipe.memory.sizes import format_bytes, parse_bytes
+from fastpipe.memory.stage_bytes import measure_stages
+from fastpipe.schedule.ir import Schedule
+
+__all__ = ["MARGIN", "MemoryGuard"]
+
+#: The share of a prediction kept free for the model's error (it is within 5% of counted bytes).
+MARGIN = 0.05
+
+
+class MemoryGuard:
+    """Checks a pipe's steps against ``limit`` bytes per device, once per schedule and step shape.
+
+    Args:
+        limit: bytes per device: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
+        optimizer: the optimizer whose state to count (:func:`~fastpipe.memory.model.optimizer_factor`).
+    """
+
+    def __init__(self, limit: int | float | str, optimizer: OptimizerSpec = "adam") -> None:
+        self.limit = parse_bytes(limit)
+        self.optimizer = optimizer
+        self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+
+    def check(
+        self,
+        layers: Sequence[nn.Module],
+        balance: Sequence[int],
+        schedule: Schedule,
+        checkpoint: str,
+        wgrad_batch: int,
+        sample: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+    ) -> list[DeviceMemory]:
+        """The devices' predicted peaks for this step; ``ValueError`` if one exceeds the limit.
+
+        Args:
+            layers: the pipe's layers in order.
+            balance: layers per stage.
+            schedule: the step's schedule.
+            checkpoint: the pipe's checkpoint mode.
+            wgrad_batch: micro-batches per batched W.
+            sample: one micro-batch of input.
+            target: its target.
+            loss_fn: the step's loss.
+        """
+        key = (schedule, checkpoint, wgrad_batch, _shape(sample))
+        devices = self.predicted.get(key)
+        if devices is None:
+            stages = measure_stages(nn.Sequential(*layers), balance, sample, loss_fn=loss_fn, target=target)
+            input_grad = isinstance(sample, Tensor) and sample.requires_grad
+            devices = predict_memory(
+                schedule,
+                stages,
+                checkpoint=checkpoint,
+                optimizer=self.optimizer,
+                wgrad_batch=wgrad_batch,
+                input_grad=input_grad,
+            )
+            self.predicted[key] = devices
+        over = [d for d in devices if d.total * (1 + MARGIN) > self.limit]
+        if over:
+            d = max(over, key=lambda d: d.total)
+            parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in d.parts.items() if n)
+            raise ValueError(
+                f"fastpipe: device {d.worker} (stages {', '.join(map(str, d.stages))}) needs "
+                f"{format_bytes(d.total)}, plus {MARGIN:.0%} kept for the prediction's error, over "
+                f"memory_limit={format_bytes(self.limit)}: {parts}. Raise the limit, recompute "
+                "(checkpoint='always'), use fewer or smaller micro-batches, or spread the model over more devices"
+            )
+        return devices
+
+
+def _shape(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return tuple(_shape(v) for v in value)
+    return type(value).__name__
+
