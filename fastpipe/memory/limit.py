@@ -42,6 +42,8 @@ class MemoryGuard:
         self.limit = parse_bytes(limit)
         self.optimizer = optimizer
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+        #: The prediction of the last step checked, one :class:`~fastpipe.memory.model.DeviceMemory` per device.
+        self.last: list[DeviceMemory] = []
 
     def check(
         self,
@@ -80,6 +82,7 @@ class MemoryGuard:
                 input_grad=input_grad,
             )
             self.predicted[key] = devices
+        self.last = devices
         over = [d for d in devices if d.total * (1 + MARGIN) > self.limit]
         if over:
             d = max(over, key=lambda d: d.total)
@@ -99,4 +102,3 @@ def _shape(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_shape(v) for v in value)
     return type(value).__name__
-
