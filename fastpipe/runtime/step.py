@@ -238,7 +238,7 @@ class StepRunner:
             self.state.tasks[(s, m)] = _Task(inputs, out if keep_graph else None, rng, snapshot, None, skips_in, kept)
         self.skip_flow.send(s, m, skips_out, self.grad, keep_graph)  # before the activation (see skip_flow)
         if s == self.last:
-            self.results[m] = replace_tensors(out, [t.detach() for t in tensors_of(out)])
+            self.results[m] = replace_tensors(out, [_kept(t) for t in tensors_of(out)])
         else:
             # Under checkpointing the output has no graph yet, but its recompute will: the
             # consumer must still ask for its input gradient.
@@ -372,6 +372,16 @@ def _streams(task: _Task) -> Any:
     recompute there draws from them (fastpipe.rng.state); the backward's own ops pay nothing."""
     rng = task.rng()
     return rng.streams_only() if isinstance(rng, TaskRNG) else contextlib.nullcontext()
+
+
+def _kept(t: Tensor) -> Tensor:
+    """``t`` detached, in a storage of its own size: what the step keeps until it ends.
+
+    A result can be a view into a larger buffer: torch 2.13's ``mse_loss`` returns a 0-d view of
+    its input-sized workspace, and keeping it held that buffer for every micro-batch of the step.
+    """
+    t = t.detach()
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def _differentiable(t: Tensor) -> bool:
