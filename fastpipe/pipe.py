@@ -315,7 +315,7 @@ class Pipe(nn.Module):
             len(self._stages),
             len(sizes),
             self.virtual_stages if virtual_stages is None else virtual_stages,
-            AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs),
+            AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs, self._stages[-1].wgrad_batch),
         )
         if self.memory_guard is not None:
             guard_args = (self.checkpoint, self._stages[-1].wgrad_batch, microbatches[0], targets[0], loss_fn)

@@ -61,7 +61,8 @@ class AutoSchedule:
 
     Args:
         memory_limit: the most bytes of activations (tensors saved for backward, parameters left
-            out) one worker may hold at once; None: no limit.
+            out) and W records (what a split backward keeps from ``B`` to ``W``) one worker may
+            hold at once; None: no limit. ``Pipe(memory_limit=)`` bounds the whole device.
         weight_share: W's part of each measured backward (see the module docstring).
         comm: link delay in seconds, a scalar or one per stage boundary.
         repeats: timed profiling passes (each layer's time is its fastest).
@@ -89,6 +90,8 @@ class AutoSchedule:
         self.repeats = repeats
         self.timer = timer
         self.costs: StageCosts | None = None
+        #: What one micro-batch's ``B`` keeps until its ``W``, per stage (measured with the costs).
+        self.w_records: list[float] | None = None
         self.choice: Choice | None = None
         self.choices: dict[int, Choice] = {}
         self.memory_limit = memory_limit
@@ -124,6 +127,7 @@ class AutoSchedule:
                 if has_skips(model):  # the skips' forward must not move the step's generators or statistics
                     with state_kept(model, None):
                         spans = measure_skips(model, microbatch, **whole)
+                self.w_records = _w_records(model, [len(p) for p in partitions], microbatch, side)
             finally:
                 for layer in layers:
                     for norm in layer.modules():
@@ -152,7 +156,11 @@ class AutoSchedule:
         )
 
     def choose(
-        self, partitions: Sequence[nn.Sequential], microbatches: Sequence[Value], side: Sequence[Mapping[str, Any]]
+        self,
+        partitions: Sequence[nn.Sequential],
+        microbatches: Sequence[Value],
+        side: Sequence[Mapping[str, Any]],
+        wgrad_batch: int = 1,
     ) -> Choice:
         """The choice for this many micro-batches, measuring the stages first if not yet done.
 
@@ -164,7 +172,14 @@ class AutoSchedule:
         count = len(microbatches)
         if count not in self.choices:
             try:
-                self.choices[count] = search(self.costs, self.costs.num_stages, count, self.memory_limit)
+                self.choices[count] = search(
+                    self.costs,
+                    self.costs.num_stages,
+                    count,
+                    self.memory_limit,
+                    w_records=self.w_records,
+                    wgrad_batch=wgrad_batch,
+                )
             except ScheduleError as exc:
                 raise ValueError(f"fastpipe: schedule='auto': {exc} (memory in bytes of saved activations)") from exc
         self.choice = self.choices[count]
@@ -179,8 +194,18 @@ class AutoRun:
     partitions: Sequence[nn.Sequential]
     microbatches: Sequence[Value]
     side: Sequence[Mapping[str, Any]]
+    wgrad_batch: int = 1
 
     def schedule(self, asked: object) -> Schedule:
         """The schedule to run: ``asked``'s choice if it is an :class:`AutoSchedule`, else this run's search's."""
         chooser = asked if isinstance(asked, AutoSchedule) else self.search
-        return chooser.choose(self.partitions, self.microbatches, self.side).schedule
+        return chooser.choose(self.partitions, self.microbatches, self.side, self.wgrad_batch).schedule
+
+
+def _w_records(model: nn.Sequential, balance: Sequence[int], microbatch: Value, side: Mapping[str, Any]) -> list[float]:
+    """Per stage, what one micro-batch's split backward keeps from ``B`` to ``W`` (no step is run)."""
+    from fastpipe.memory.stage_bytes import measure_stages  # it imports the runtime, which imports this module
+
+    with state_kept(model, None):  # the extra forward must not move generators or statistics
+        stages = measure_stages(model, balance, microbatch, side_inputs=side, transients=False)
+    return [float(st.w_records + st.w_kept) for st in stages]

@@ -30,8 +30,9 @@ def ticking(memory_limit: float | None = None) -> AutoSchedule:
     """A search whose profiler's clock moves one unit per reading: every layer's F and backward cost 1.
 
     With a W share of 0.4, for 4 stages of 2 layers and 8 micro-batches, zb-h2 and the greedy
-    schedule tie for the fastest at 38 units (zb-h1: 39.2); under a limit of 1,000 bytes per
-    worker zb-h2 (1,360) no longer fits, and the greedy schedule does, at the same speed.
+    schedule tie for the fastest at 38 units (zb-h1: 39.2); under a limit of 3,000 bytes per
+    worker zb-h2 (3,376 with the W records its split backward keeps) no longer fits, and the
+    greedy schedule does, at the same speed.
     """
     clock = itertools.count()
     return AutoSchedule(memory_limit, weight_share=0.4, timer=lambda: float(next(clock)))
@@ -48,10 +49,10 @@ def assert_matches_plain(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, loss: tor
 @pytest.mark.parametrize("batch", [16, 15])  # 15 in 8 chunks: seven of 2 and one of 1
 def test_the_greedy_choice_trains_like_the_plain_model(checkpoint: str, batch: int) -> None:
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
-    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, checkpoint=checkpoint, schedule=ticking(1000))
+    pipe = Pipe(model(), balance=[2, 2, 2, 2], chunks=8, checkpoint=checkpoint, schedule=ticking(3000))
     loss = pipe.train_step(x, y, nn.MSELoss())
     choice = pipe.auto_schedule.choice
-    assert choice is not None and choice.chosen.name == "greedy" and max(choice.chosen.peak_memory) <= 1000
+    assert choice is not None and choice.chosen.name == "greedy" and max(choice.chosen.peak_memory) <= 3000
     assert choice.chosen.time < min(c.time for c in choice.candidates if c.name != "greedy" and c.fits)
     assert_matches_plain(pipe, x, y, loss)
 
@@ -82,7 +83,7 @@ def test_train_step_takes_auto_on_a_pipe_built_for_a_named_schedule() -> None:
     loss = pipe.train_step(x, y, nn.MSELoss(), schedule="auto")
     assert pipe.auto_schedule.choice is not None
     assert_matches_plain(pipe, x, y, loss)
-    searched = ticking(1000)
+    searched = ticking(3000)
     for p in pipe.parameters():
         p.grad = None
     loss = pipe.train_step(x, y, nn.MSELoss(), schedule=searched)  # a search of its own, for this call
