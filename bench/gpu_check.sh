@@ -57,19 +57,20 @@ export FASTPIPE_SYNC_AUDIT="$OUT_DIR/sync_audit.txt"
 PYTEST="python -m pytest -m gpu -v -p no:cacheprovider -p no:timeout -rfE --durations=10"
 CORE="tests/runtime/test_c_runtime_gpu.py tests/runtime/test_deferred_wgrad.py tests/runtime/test_wgrad.py
   tests/pipe/test_gpu.py tests/runtime/test_replay.py tests/pipe/test_misuse.py tests/rng/test_rng_state.py"
-STREAMS="tests/runtime/test_gpu_stream_stress.py tests/pipe/test_gpu_gradients.py"
+STREAMS="tests/runtime/test_gpu_stream_stress.py tests/pipe/test_gpu_gradients.py tests/memory/test_model_gpu.py
+  tests/distributed/test_host_syncs_gpu.py"
 CLI="tests/cli/test_train_bench_gpu.py tests/asynchronous/test_fit.py tests/asynchronous/test_fit_deferred_batch_norm.py"
 # "name|limit_s|command", in the order they run. The limits sum to the default deadline.
 CHECKS=(
   "probe|20|python bench/gpu_probe.py"
   "build|60|pip install --no-build-isolation --no-deps -e . -q"
   "core|90|$PYTEST ${CORE//$'\n'/ }"
-  "streams|60|$PYTEST $STREAMS"
+  "streams|80|$PYTEST ${STREAMS//$'\n'/ }"
   # One NCCL rank: CUDA + NCCL start-up and a spawn take 7-10 s on a cold host, so 25 s a case.
   "nccl|40|python bench/nccl_smoke.py --limit 25"
   "kernels|75|$PYTEST tests/kernels"
   "pipe_gpu|45|python bench/pipe_gpu.py --json $OUT_DIR/pipe_gpu.json"
-  "cli|70|$PYTEST $CLI"
+  "cli|50|$PYTEST $CLI"
 )
 # Not in the 540 s call (run them on their own when time is left, docs/gpu.md):
 #   python -m fastpipe.bench.kernels --no-compile; fastpipe bench --quick; bench/kernel_tune.py.
