@@ -181,7 +181,9 @@ class AutoSchedule:
                     wgrad_batch=wgrad_batch,
                 )
             except ScheduleError as exc:
-                raise ValueError(f"fastpipe: schedule='auto': {exc} (memory in bytes of saved activations)") from exc
+                raise ValueError(
+                    f"fastpipe: schedule='auto': {exc} (memory in bytes of saved activations and W records)"
+                ) from exc
         self.choice = self.choices[count]
         return self.choice
 
