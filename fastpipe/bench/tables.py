@@ -73,10 +73,12 @@ def _memory(res: dict[str, Any]) -> str:
     if rows and "measured_peak_bytes" in rows[0]:
         cols.append(("measured_peak_bytes", "measured peak bytes (check)"))
         cols.append(("predicted_peak_bytes", "predicted peak bytes"))
-    return (
+    kernels = (
         f"{res['device']}, budget {res['budget']}, hidden {res['hidden']}/{res['ffn']} "
         f"({res['reference']})\n\n" + table(rows, cols)
     )
+    largest = res.get("largest", {}).get("markdown")  # fastpipe.bench.largest_report writes it
+    return kernels if largest is None else f"{largest}\n\nOne device, the fused kernels: {kernels}"
 
 
 def _copy(res: dict[str, Any]) -> str:

@@ -1,0 +1,377 @@
+"""The rank side of the largest-model benchmark: the GPT family, each system's step, and its measured peak.
+
+Every rank is one device. On CPU a rank is one process with one intra-op thread, and the
+process's CPU bytes are that device's bytes, counted exactly by
+:mod:`fastpipe.memory._cpu_counter` (every thread: fastpipe's stage workers, autograd's engine,
+gloo's transport). A rank measures a candidate size as::
+
+    base = bytes alive before the model is built
+    build the stage(s) this rank holds, their Adam, the batch
+    step 1 (forward, backward, Adam) under a PeakMeter  ──▶  peak 1 = peak_total - base
+    every rank's peak 1 gathered: any over the budget ──▶ stop (the size does not fit)
+    step 2 likewise, timed between barriers       ──▶  peak 2, the step time
+    peak = max(peak 1, peak 2)                        (step 2 holds Adam's moments throughout)
+
+Everything a rank decides comes from gathered values, so all ranks take the same path.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from fastpipe.bench.largest_search import Point, best_of
+from fastpipe.memory import _cpu_counter
+from fastpipe.memory.accounting import PeakMeter
+
+__all__ = [
+    "Block",
+    "Embedding",
+    "Head",
+    "TokenLoss",
+    "build_layer",
+    "layer_count",
+    "measure",
+    "rank_main",
+    "shape_at",
+    "stage_layers",
+]
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: ids ``[B, T]`` to ``[B, T, D]``."""
+
+    def __init__(self, vocab: int, seq: int, width: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Parameter(0.01 * torch.randn(seq, width))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.tokens(ids) + self.positions[: ids.size(1)]
+
+
+class Block(nn.Module):
+    """A pre-norm GPT block: causal attention (SDPA) and a 4x GELU MLP, both residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class _Recomputed(nn.Module):
+    """A block under ``torch.utils.checkpoint``: only its input is kept, the rest is recomputed in backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = checkpoint(self.block, x, use_reentrant=False)
+        assert isinstance(out, Tensor)
+        return out
+
+
+class Head(nn.Module):
+    """The final LayerNorm and the projection to the vocabulary: the logits ``[B, T, V]``."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.norm(x))
+
+
+class TokenLoss(nn.Module):
+    """Mean next-token cross-entropy over every token of the logits."""
+
+    reduction = "mean"
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def layer_count(layers: int) -> int:
+    """Layers of the Sequential: the embedding, ``layers`` blocks, the head."""
+    return layers + 2
+
+
+def build_layer(i: int, shape: dict[str, Any], per_block_checkpoint: bool) -> nn.Module:
+    """Layer ``i`` of the Sequential ``[Embedding, Block x layers, Head]``, seeded by its index."""
+    torch.manual_seed(1000 + i)
+    last = layer_count(shape["layers"]) - 1
+    if i == 0:
+        return Embedding(shape["vocab"], shape["seq"], shape["width"])
+    if i == last:
+        return Head(shape["width"], shape["vocab"])
+    block = Block(shape["width"], shape["heads"])
+    return _Recomputed(block) if per_block_checkpoint else block
+
+
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """Layers per stage: the ``layers + 2`` layers cut as evenly as counts allow, the earlier stages first."""
+    total = layer_count(layers)
+    if total < stages:
+        raise ValueError(
+            f"{layers} blocks plus the embedding and the head cannot give {stages} stages a layer each; "
+            f"use at least {stages - 2} blocks"
+        )
+    base, extra = divmod(total, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def _batch(shape: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _sequential(indices: range, shape: dict[str, Any], per_block: bool) -> nn.Sequential:
+    return nn.Sequential(*[build_layer(i, shape, per_block) for i in indices])
+
+
+Step = Callable[[], None]
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    # foreach=False: the same per-parameter temporaries on every system and device.
+    return torch.optim.Adam(params, lr=1e-4, foreach=False)
+
+
+def _plain(system: dict[str, Any], shape: dict[str, Any]) -> tuple[Step, Step]:
+    model = _sequential(range(layer_count(shape["layers"])), shape, system["checkpoint"] == "blocks")
+    opt = _adam(model.parameters())
+    ids, target = _batch(shape)
+    loss = TokenLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss(model(ids), target).backward()
+        opt.step()
+
+    return step, lambda: None
+
+
+def _v_stages(rank: int, world: int) -> tuple[int, int]:
+    return rank, 2 * world - 1 - rank
+
+
+def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+
+    v = system["schedule"] == "ZBVZeroBubble"
+    count = 2 * world if v else world
+    balance = stage_layers(shape["layers"], count)
+    held = _v_stages(rank, world) if v else (rank,)
+    per_block = system["checkpoint"] == "blocks"
+    parts = [_sequential(range(sum(balance[:s]), sum(balance[: s + 1])), shape, per_block) for s in held]
+    stages: list[Any] = [
+        PipelineStage(p, stage_index=s, num_stages=count, device=torch.device("cpu")) for p, s in zip(parts, held)
+    ]
+    loss = TokenLoss()
+    chunks = shape["chunks"]
+    sched = ScheduleZBVZeroBubble(stages, chunks, loss_fn=loss) if v else Schedule1F1B(stages[0], chunks, loss_fn=loss)
+    opt = _adam([p for part in parts for p in part.parameters()])
+    ids, target = _batch(shape)
+    first, last = 0 in held, count - 1 in held
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        if first and last:
+            sched.step(ids, target=target, losses=[])
+        elif first:
+            sched.step(ids)
+        elif last:
+            sched.step(target=target, losses=[])
+        else:
+            sched.step()
+        opt.step()
+
+    return step, lambda: None
+
+
+def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    v = system["schedule"] in ("zb-v", "dualpipev")
+    balance = stage_layers(shape["layers"], 2 * world if v else world)
+    per_block = system["checkpoint"] == "blocks"
+    mode = "never" if per_block else system["checkpoint"]
+
+    def builder(s: int) -> nn.Sequential:
+        return _sequential(range(sum(balance[:s]), sum(balance[: s + 1])), shape, per_block)
+
+    pipe = DistributedPipe.from_stage_builder(
+        builder, balance, chunks=shape["chunks"], schedule=system["schedule"], checkpoint=mode, device="cpu"
+    )
+    opt = _adam(pipe.parameters())
+    ids, target = _batch(shape)
+    loss = TokenLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        pipe.train_step(ids if pipe.is_first else None, target if pipe.is_last else None, loss)
+        opt.step()
+
+    return step, pipe.close
+
+
+def _build(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+    if system["kind"] == "plain":
+        return _plain(system, shape)
+    if system["kind"] == "pipelining":
+        return _pipelining(system, shape, rank, world)
+    if system["kind"] == "fastpipe":
+        return _fastpipe(system, shape, rank, world)
+    raise ValueError(f"unknown system kind {system['kind']!r}: plain, pipelining or fastpipe")
+
+
+def _gathered(value: float, world: int) -> list[float]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def shape_at(job: dict[str, Any], n: int) -> dict[str, Any]:
+    """The model shape of size ``n`` along the job's searched dimension (blocks, or width in units)."""
+    shape = dict(job["shape"])
+    if job["dim"] == "layers":
+        shape["layers"] = n
+    else:
+        shape["width"] = n * job["width_unit"]
+    return shape
+
+
+def measure(job: dict[str, Any], system: dict[str, Any], n: int, rank: int, world: int) -> Point:
+    """Every rank's peak bytes of a training step at size ``n``, and the step's time (see the module doc)."""
+    gc.collect()
+    base = _cpu_counter.allocated()
+    budget = job["budget"]
+    step, close = _build(system, shape_at(job, n), rank, world)
+    peaks = [0] * world
+    seconds = None
+    try:
+        for i in range(2):
+            _barrier(world)
+            t0 = time.perf_counter()
+            with PeakMeter("cpu") as meter:
+                step()
+            _barrier(world)
+            took = time.perf_counter() - t0
+            here = _gathered(meter.result.peak_total - base, world)
+            peaks = [max(a, int(b)) for a, b in zip(peaks, here)]
+            if max(peaks) > budget:
+                break
+            if i == 1:
+                seconds = _gathered(took, world)[0]  # rank 0's clock, between the same barriers
+    finally:
+        close()
+        del step, close
+        gc.collect()
+    return Point(n, peaks, seconds)
+
+
+def _write(out: str, record: dict[str, Any]) -> None:
+    with open(out + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(out + ".tmp", out)  # a rank stopped later leaves the points measured so far
+
+
+def rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> None:
+    """One rank of a job; rank 0 writes every point measured to ``out`` (JSON) as it goes.
+
+    ``job`` holds ``shape``, ``dim`` (``"layers"`` or ``"width"``), ``width_unit``, ``budget``
+    (bytes), ``start_by`` (no size starts after this ``time.time()``, as rank 0 sees it) and:
+
+    * ``search``: ``groups`` (lists of systems), ``start``, ``floor``, ``cap``: per group, the
+      largest size of the best of its systems (:func:`~fastpipe.bench.largest_search.best_of`;
+      a group of one: that system's largest);
+    * ``at``: ``n`` and ``groups`` of systems: each group measured at ``n`` in order until one fits.
+
+    The record is ``{"runs": [{"system", "group", "points"}], "at": [{"system", "point"}],
+    "stopped": {"phase": "search" or "at", "why": ...} or None}``.
+    """
+    torch.set_num_threads(1)
+    _cpu_counter.install()  # before the job's allocations; c10 swaps its allocator without a lock
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    budget = job["budget"]
+    record: dict[str, Any] = {"runs": [], "at": [], "stopped": None}
+
+    def measured(system: dict[str, Any], n: int) -> Point:
+        go = [time.time() < job["start_by"]]
+        if world > 1:
+            dist.broadcast_object_list(go, src=0)
+        if not go[0]:
+            raise TimeoutError(f"time budget spent before size {n}")
+        return measure(job, system, n, rank, world)
+
+    def searched(system: dict[str, Any], group: int) -> Callable[[int], Point]:
+        run: dict[str, Any] = {"system": system, "group": group, "points": []}
+        record["runs"].append(run)
+
+        def measure_and_keep(n: int) -> Point:
+            point = measured(system, n)
+            run["points"].append(point.to_dict(budget))
+            if rank == 0:
+                _write(out, record)
+            return point
+
+        return measure_and_keep
+
+    phase = "search"
+    try:
+        search: dict[str, Any] = job.get("search") or {"groups": []}
+        for g, group in enumerate(search["groups"]):
+            fns = [searched(s, g) for s in group]
+            best_of(fns, budget, start=search["start"], floor=search["floor"], cap=search["cap"])
+        phase = "at"
+        probe: dict[str, Any] = job.get("at") or {"groups": [], "n": 0}
+        for group in probe["groups"]:
+            for system in group:
+                # A size the search measured already is not run again.
+                n = probe["n"]
+                seen = [q for r in record["runs"] if r["system"] == system for q in r["points"] if q["n"] == n]
+                point = seen[0] if seen else measured(system, n).to_dict(budget)
+                record["at"].append({"system": system, "point": point})
+                if point["fits"]:
+                    break
+    except TimeoutError as exc:
+        record["stopped"] = {"phase": phase, "why": str(exc)}
+    if rank == 0:
+        _write(out, record)
+    if world > 1:
+        dist.destroy_process_group()
