@@ -7,29 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _memory_utils import on_thread
 from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.memory.accounting import PeakMemory, PeakMeter, StaticBytes, measure_peak, static_bytes
-
-
-def _on_thread(fn: Callable[[], object]) -> int:
-    """Run ``fn`` on a new thread; returns that thread's id."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as error:  # handed to the test's thread
-            errors.append(error)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    if errors:
-        raise errors[0]
-    assert worker.ident is not None
-    return worker.ident
 
 
 def _mlp() -> nn.Sequential:
@@ -63,7 +45,7 @@ def test_a_forward_on_a_worker_thread_peaks_at_its_saved_storages_plus_its_outpu
             out.append(model(x))
 
     with PeakMeter("cpu") as meter:
-        _on_thread(forward)
+        on_thread(forward)
     new_saved = sum(n for ptr, n in saved.items() if ptr not in old)
     assert new_saved == 2 * 40 * 384 * 4  # Linear's output (kept by GELU) and GELU's (kept by the second Linear)
     assert meter.result.peak == new_saved + _nbytes(out[0])
@@ -107,7 +89,7 @@ def test_a_step_on_a_worker_thread_peaks_where_the_profiler_sees_it_on_the_calli
     expected = _profiled_peak(step)
     _clear_grads(model)
     with PeakMeter("cpu", modules=model) as meter:
-        _on_thread(step)
+        on_thread(step)
     result = meter.result
     # The backward holds every saved activation plus the first layer's input gradient at once.
     assert expected > 2 * 40 * 384 * 4

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _memory_utils import on_thread
 
 from fastpipe.memory import _cpu_counter as counter
 
@@ -20,22 +21,6 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").is_f
 @pytest.fixture(autouse=True)
 def installed() -> None:
     counter.install()
-
-
-def _on_thread(fn) -> None:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as error:  # handed to the test's thread
-            errors.append(error)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    if errors:
-        raise errors[0]
 
 
 def test_current_and_peak_are_the_exact_sums_of_known_sizes() -> None:
@@ -59,7 +44,7 @@ def test_current_and_peak_are_the_exact_sums_of_known_sizes() -> None:
 def test_the_counter_sees_an_allocation_made_on_another_thread() -> None:
     kept: list[torch.Tensor] = []
     base = counter.allocated()
-    _on_thread(lambda: kept.append(torch.empty(12345, dtype=torch.uint8)))
+    on_thread(lambda: kept.append(torch.empty(12345, dtype=torch.uint8)))
     assert counter.allocated() - base == 12345
     kept.clear()  # freed on this thread: allocation and free need not share a thread
     assert counter.allocated() == base
@@ -89,7 +74,7 @@ def test_the_counter_sees_an_allocation_inside_a_backward_on_another_thread() ->
     loss = _AllocatesInBackward.apply(x).sum()
     x.grad = torch.zeros(4)  # accumulated in place, so the backward's only lasting storage is the kept one
     base = counter.allocated()
-    _on_thread(loss.backward)
+    on_thread(loss.backward)
     assert _AllocatesInBackward.threads and _AllocatesInBackward.threads[0] != threading.get_ident()
     assert counter.allocated() - base == 77777
     _AllocatesInBackward.kept.clear()

@@ -6,19 +6,13 @@ import gc
 
 import pytest
 import torch
+from _memory_utils import ProductLoss, install_counter_or_skip
 from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.memory.limit import MARGIN
 
 H, ROWS, M = 64, 32, 4
-
-
-class Loss(nn.Module):
-    reduction = "mean"
-
-    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (out * target).mean()
 
 
 def model() -> nn.Sequential:
@@ -34,7 +28,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 def predicted_total(balance: list[int], schedule: str = "1f1b") -> int:
     pipe = Pipe(model(), balance, chunks=M, schedule=schedule, memory_limit="1TiB")
     try:
-        pipe.train_step(*data(), Loss())
+        pipe.train_step(*data(), ProductLoss())
         (devices,) = pipe.memory_guard.predicted.values()  # type: ignore[union-attr]
     finally:
         pipe.close()
@@ -46,30 +40,25 @@ def test_a_limit_below_the_prediction_raises_before_the_step_naming_device_and_p
     pipe = Pipe(model(), [3, 2], chunks=M, memory_limit=need)  # the margin is not kept free
     try:
         with pytest.raises(ValueError, match=r"device \d \(stages \d\) needs .* over memory_limit=.*: parameters"):
-            pipe.train_step(*data(), Loss())
+            pipe.train_step(*data(), ProductLoss())
         assert all(p.grad is None for p in pipe.parameters()), "no action ran"
     finally:
         pipe.close()
 
 
 def test_a_limit_with_the_margin_runs_and_the_counted_peak_stays_under_it() -> None:
-    from fastpipe.memory._cpu_counter import CounterUnavailableError
     from fastpipe.memory.accounting import PeakMeter
 
     x, y = data()
-    try:
-        with PeakMeter("cpu"):  # the counter, before the model exists
-            pass
-    except CounterUnavailableError as exc:
-        pytest.skip(f"no CPU byte counter here: {exc}")
+    install_counter_or_skip()  # before the model exists
     limit = int(predicted_total([5]) * (1 + MARGIN)) + 1
     pipe = Pipe(model(), [5], chunks=M, memory_limit=limit)
     try:
-        pipe.train_step(x, y, Loss())
+        pipe.train_step(x, y, ProductLoss())
         pipe.zero_grad(set_to_none=True)
         gc.collect()
         with PeakMeter("cpu") as meter:  # one stage: the process's CPU bytes are the device's
-            pipe.train_step(x, y, Loss())
+            pipe.train_step(x, y, ProductLoss())
     finally:
         pipe.close()
     params = sum(p.numel() * p.element_size() for p in pipe.parameters())
@@ -80,7 +69,7 @@ def test_a_limit_with_the_margin_runs_and_the_counted_peak_stays_under_it() -> N
 def test_a_limit_takes_sizes_as_people_write_them(limit: object) -> None:
     pipe = Pipe(model(), [3, 2], chunks=M, memory_limit=limit)  # type: ignore[arg-type]
     try:
-        pipe.train_step(*data(), Loss())
+        pipe.train_step(*data(), ProductLoss())
     finally:
         pipe.close()
 

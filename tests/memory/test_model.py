@@ -11,6 +11,7 @@ import gc
 
 import pytest
 import torch
+from _memory_utils import install_counter_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -372,17 +373,12 @@ def test_a_tied_weight_is_counted_once_per_stage_and_stepped_once() -> None:
 def test_predicted_peaks_are_within_3_percent_of_the_counted_ones() -> None:
     pytest.importorskip("fastpipe.memory._cpu_counter")
     from fastpipe import Pipe
-    from fastpipe.memory._cpu_counter import CounterUnavailableError
     from fastpipe.memory.accounting import PeakMeter
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (out * target).mean()
 
-    try:
-        with PeakMeter("cpu"):  # counts from here on, before any tensor of the runs below exists
-            pass
-    except CounterUnavailableError as exc:
-        pytest.skip(f"no CPU byte counter here: {exc}")
+    install_counter_or_skip()  # counts from here on, before any tensor of the runs below exists
     h, m, rows = 64, 4, 32
     for name, checkpoint, batch, input_grad in [
         ("1f1b", "never", 1, False),

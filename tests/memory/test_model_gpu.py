@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from _memory_utils import ProductLoss
 from torch import nn
 
 from fastpipe import Pipe
@@ -19,13 +20,6 @@ from fastpipe import Pipe
 pytestmark = [pytest.mark.gpu, pytest.mark.time_limit(60)]
 
 D, H, M, ROWS = 512, 2048, 8, 64
-
-
-class Loss(nn.Module):
-    reduction = "mean"
-
-    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (out * target).mean()
 
 
 def model() -> nn.Sequential:
@@ -44,15 +38,15 @@ def test_the_gpu_stages_predicted_peak_is_within_5_percent_of_the_allocators(sch
     x, y = torch.randn(M * ROWS, D), torch.randn(M * ROWS, D, device="cuda:0")
     pipe = Pipe(model(), [2, 2], devices=["cpu", "cuda:0"], chunks=M, schedule=schedule, checkpoint="never")
     try:
-        pipe.train_step(x, y, Loss())
+        pipe.train_step(x, y, ProductLoss())
         pipe.zero_grad(set_to_none=True)
         gc.collect()
         with PeakMeter("cuda:0") as meter:
-            pipe.train_step(x, y, Loss())
+            pipe.train_step(x, y, ProductLoss())
     finally:
         pipe.close()
     on_gpu = model().to("cuda:0")
-    stages = measure_stages(on_gpu, [2, 2], x[:ROWS].to("cuda:0"), loss_fn=Loss(), target=y[:ROWS])
+    stages = measure_stages(on_gpu, [2, 2], x[:ROWS].to("cuda:0"), loss_fn=ProductLoss(), target=y[:ROWS])
     batch = pipe._stages[-1].wgrad_batch  # the runtime's, on this device
     device = predict_memory(build(schedule, 2, M), stages, checkpoint="never", wgrad_batch=batch)[1]
     predicted = device.total - device.parameters

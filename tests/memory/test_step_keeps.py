@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
+from _memory_utils import install_counter_or_skip
 from torch import nn
 
 from fastpipe import Pipe
@@ -31,12 +31,7 @@ def counted_peak(loss_fn: nn.Module, chunks: int) -> int:
 
 
 def test_mse_loss_holds_no_buffer_per_micro_batch_under_1f1b() -> None:
-    from fastpipe.memory._cpu_counter import CounterUnavailableError, install
-
-    try:
-        install()
-    except CounterUnavailableError as exc:
-        pytest.skip(f"no CPU byte counter here: {exc}")
+    install_counter_or_skip()
     # torch's mse_loss returns a 0-d view of an input-sized buffer (128 KiB here); one stage
     # under 1F1B holds one micro-batch at a time, so 8 micro-batches peak where 2 do.
     assert torch.nn.functional.mse_loss(torch.randn(ROWS, H), torch.randn(ROWS, H)).untyped_storage().nbytes() > 4
