@@ -92,7 +92,8 @@ triton = ["triton; platform_system == 'Linux'"]
 # fastpipe.hf (HuggingFace causal LMs as a Pipe-ready Sequential) needs transformers 5, whose
 # configs carry the base_model_pp_plan the adapter reads. Never add torchvision here: transformers
 # imports it when present, and the only wheels served on CPU hosts are CUDA builds that fail to load.
-# The range is what tests/hf has passed on: 5.17 (the GPU host's) and 5.24 (CI's), 2026-12-01.
+# The range is what the test suite has passed on: 5.17 with torch 2.11 (the GPU host's; bench/RESULTS.md,
+# "CPU suite on torch 2.11 / transformers 5.17", 2026-12-02) and 5.24 with torch 2.13 (CI's).
 hf = ["transformers>=5.17,<6"]
 
 # The version is written once, in fastpipe/_version.py; read as text (importing fastpipe needs torch).

@@ -40,7 +40,7 @@ from fastpipe.bench.report import write_json
 from fastpipe.bench.steps import LOSS, free_port
 from fastpipe.bench.workload import BATCH, BLOCKS, CHUNKS, FFN, HIDDEN, make_batch, make_model
 
-__all__ = ["PAIRS", "run_zero_bubble", "main"]
+__all__ = ["PAIRS", "run_zero_bubble", "v_peers_refused_on_gloo", "main"]
 
 K = 2  # ranks
 PAIRS = {"fastpipe zb-v": "pipelining ZBVZeroBubble", "fastpipe dualpipev": "pipelining DualPipeV"}
@@ -92,6 +92,25 @@ def _pipelining(rank: int, name: str, w: dict[str, int], x: torch.Tensor, y: tor
     return step
 
 
+def v_peers_refused_on_gloo() -> str | None:
+    """Why this torch's ``torch.distributed.pipelining`` V schedules cannot start on gloo, or None if they can.
+
+    A V places two adjacent stages on one rank (here stages 1 and 2 on rank 1). Releases whose
+    stages lack the start-up vote (torch 2.11 among them) open a schedule with a dummy send from each
+    stage to its neighbours through the process group, the same-rank neighbour included, and gloo
+    has no connection from a rank to itself ("Pair is not connected"): that rank raises, and the
+    whole part with it. Only that start-up is recognised; any other release runs.
+    """
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    if hasattr(PipelineStage, "_warmup_forward_vote") or not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
+        return None
+    return (
+        f"torch {torch.__version__}'s pipelining V schedules send from a rank to itself when they start, "
+        "which gloo refuses (torch 2.13 starts them without that send): run this part on torch >= 2.13"
+    )
+
+
 def _bubbles(methods: dict[str, Callable[..., Any]], steps: int, chunks: int) -> dict[str, dict[str, float]]:
     """Measured bubble of traced fastpipe steps, and the simulator's from the costs measured in them.
 
@@ -124,9 +143,13 @@ def _worker(rank: int, port: int, w: dict[str, int], warmup: int, rounds: int, o
     try:
         from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble  # noqa: F401
     except ImportError as exc:
+        why: str | None = f"torch.distributed.pipelining has no V schedules here ({exc})"
+    else:
+        why = v_peers_refused_on_gloo()
+    if why is not None:
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"skipped": f"torch.distributed.pipelining has no V schedules here ({exc})"}, f)
+                json.dump({"skipped": why}, f)
         return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=K)
@@ -159,7 +182,8 @@ def _worker(rank: int, port: int, w: dict[str, int], warmup: int, rounds: int, o
 def run_zero_bubble(timeout: float, rounds: int = 9, warmup: int = 2, tiny: bool = False) -> dict[str, Any]:
     """Paired step times and bubbles of the five methods on 2 spawned gloo ranks (see the module doc).
 
-    Returns ``{"skipped": why}`` instead where this torch's ``torch.distributed.pipelining`` has no V schedules.
+    Returns ``{"skipped": why}`` instead where this torch's ``torch.distributed.pipelining`` has no V schedules,
+    or has V schedules that cannot start on gloo (:func:`v_peers_refused_on_gloo`).
 
     Raises:
         RuntimeError: a rank failed, or the ranks ran past ``timeout`` seconds (they are stopped).

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastpipe.bench.scaling import limit_of
+from fastpipe.bench.zero_bubble import v_peers_refused_on_gloo
 from fastpipe.cli import main
 
 
@@ -82,6 +83,9 @@ def test_bench_prints_the_kernel_tables_once(tmp_path: object, capsys: pytest.Ca
         assert {"correctness", "saved_bytes"} <= set(json.load(f))
 
 
+@pytest.mark.skipif(
+    v_peers_refused_on_gloo() is not None, reason=f"the peers cannot start here: {v_peers_refused_on_gloo()}"
+)
 def test_zero_bubble_part_pairs_the_v_schedules_with_torchs(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(str(tmp_path))
     assert main(["bench", "--tiny", "--only", "zero-bubble", "--out", "out", "--no-progress"]) == 0
@@ -107,6 +111,45 @@ def test_zero_bubble_part_pairs_the_v_schedules_with_torchs(tmp_path: object, mo
     with open(os.path.join("out", "results.md")) as f:
         text = f.read()
     assert "fastpipe zb-v / pipelining ZBVZeroBubble" in text and "bubble, traced" in text
+
+
+def test_v_peers_are_refused_only_where_they_start_with_a_send_to_their_own_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.pipelining import stage
+
+    class SendsToNeighbours:  # the start-up of torch 2.11's stages
+        def _get_init_p2p_neighbors_ops(self) -> list[object]:
+            return []
+
+    class Votes(SendsToNeighbours):  # torch 2.13's
+        def _warmup_forward_vote(self) -> None:
+            return None
+
+    monkeypatch.setattr(stage, "PipelineStage", SendsToNeighbours)
+    why = v_peers_refused_on_gloo()
+    assert why is not None and torch.__version__ in why and "gloo refuses" in why and ">= 2.13" in why
+    monkeypatch.setattr(stage, "PipelineStage", Votes)
+    assert v_peers_refused_on_gloo() is None
+    # A release with neither start-up is run rather than skipped: its failure would say what changed.
+    monkeypatch.setattr(stage, "PipelineStage", object)
+    assert v_peers_refused_on_gloo() is None
+
+
+def test_zero_bubble_ranks_that_cannot_start_the_peers_report_why_and_join_no_group(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+
+    from fastpipe.bench import zero_bubble
+
+    monkeypatch.setattr(zero_bubble, "v_peers_refused_on_gloo", lambda: "no start-up here")
+    out = os.path.join(str(tmp_path), "times.json")
+    for rank in (1, 0):  # neither rank waits for the other: a lone rank returns at once
+        zero_bubble._worker(rank, 1, zero_bubble._TINY, 0, 0, out)
+    assert not dist.is_initialized()
+    with open(out) as f:
+        assert json.load(f) == {"skipped": "no start-up here"}
 
 
 def test_distributed_part_times_its_four_runs_in_one_set_of_forked_ranks(

@@ -122,14 +122,16 @@ def _spill_bytes(compiled) -> int:
 
 
 @pytest.mark.parametrize(
-    ("kernel", "op", "full", "most"),
-    [("_norm_fwd_kernel", "norm_fwd", False, 0), ("_norm_bwd_kernel", "norm_bwd", True, 600)],
+    ("kernel", "op", "full", "most", "most_before_3_9"),
+    [("_norm_fwd_kernel", "norm_fwd", False, 0, 48), ("_norm_bwd_kernel", "norm_bwd", True, 600, 600)],
     ids=["forward", "backward-with-residual-and-dropout"],
 )
-def test_the_widest_norm_row_in_one_block_spills_little(kernel, op, full, most, monkeypatch):
+def test_the_widest_norm_row_in_one_block_spills_little(kernel, op, full, most, most_before_3_9, monkeypatch):
     # configs.norm_launch's choice for the widest row it keeps on Triton (wider ones take the
-    # PyTorch path). 16 warps at 16,384 columns spilled 12 B (forward) and 1,780 B (backward);
-    # 32 warps spill 0 B and 548 B.
+    # PyTorch path). With triton 3.9, 16 warps at 16,384 columns spilled 12 B (forward) and
+    # 1,780 B (backward); 32 warps spill 0 B and 548 B. Triton 3.6 (the GPU host's) allocates
+    # registers differently: 32 warps spill 48 B and 548 B, 16 warps 8 B and 2,096 B, so 32 still
+    # wins where spills cost (the backward), and the forward keeps a few registers' worth.
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -148,4 +150,5 @@ def test_the_widest_norm_row_in_one_block_spills_little(kernel, op, full, most, 
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": warps},
     )
-    assert _spill_bytes(compiled) <= most
+    release = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    assert _spill_bytes(compiled) <= (most if release >= (3, 9) else most_before_3_9)
