@@ -13,6 +13,8 @@
   order-matched for NCCL) and their wire format.
 * :mod:`fastpipe.distributed.watchdog`: bounded waits and the abort channel.
 * :mod:`fastpipe.distributed.dp_reduce`: data-parallel gradient buckets.
+* :mod:`fastpipe.distributed.fsdp`, :mod:`fastpipe.distributed.fsdp_step`: stages sharded over
+  their replicas with FSDP2 (``dp_shard="fsdp"``), gathered and reduced once per step.
 """
 
 __all__: list[str] = []

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.distributed.backend import abort_nccl, require_backend
-from fastpipe.distributed.dp_reduce import Bucket, connect_replicas, finish_reduce, start_reduce
+from fastpipe.distributed.dp_reduce import AllReduceSync, ReplicaSync, connect_replicas, finish_reduce, start_reduce
 from fastpipe.distributed.host_values import (
     LOSS_DTYPES,
     LossReadback,
@@ -63,7 +63,7 @@ class StepOutcome:
     Attributes:
         loss: the mini-batch loss (averaged over data-parallel replicas), the same on every rank.
         nonfinite: where the loss was NaN/inf (``"micro-batch 3"``, ``"another data-parallel replica"``) or None.
-        param_grads: per local stage, the gradient of each ``stage.params`` entry (dp-averaged).
+        param_grads: per local stage, the gradient of each ``stage.params`` entry (dp-averaged; fsdp: shards).
     """
 
     loss: Tensor
@@ -140,6 +140,9 @@ class DistributedRuntime:
         # Collectives run on the backend's device: NCCL reduces CUDA tensors only.
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
         connect_replicas(dp_group, self.comm_device, self.wait_collective)  # NCCL's communicator now, not in step 1
+        self.replicas: ReplicaSync | None = None  # how gradients meet the replicas' (fsdp: fsdp_step's)
+        if dp_group is not None:
+            self.replicas = AllReduceSync(self.stages, dp_group, bucket_bytes, self.wait_collective)
         # Where each group reduces the host's values: the gloo control group, then the replicas'.
         self.host_groups = [(self.control_group, torch.device("cpu")), *host_reduce_groups(dp_group, self.comm_device)]
         routes = share_skip_routes(self.stages, num_stages, self.control_group)  # fastpipe.model.skips
@@ -321,8 +324,10 @@ class DistributedRuntime:
         steps = self._plan(schedule) if self.ordered else [Step(action=a) for a in actions]
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("BW", "W")}
         readback = LossReadback(loss.weights) if self.rank == self.last_rank else None
-        reductions: list[Bucket] = []
+        # No replicas: nothing to reduce; fit (a runner_factory) averages at each of its updates instead.
+        sync = self.replicas if self.replicas is not None and runner_factory is None else ReplicaSync()
         try:
+            sync.begin()
             self.transport.begin(actions)
             if self.rank == self.first_rank:
                 assert microbatches is not None, "stage 0's rank needs the input"
@@ -357,20 +362,17 @@ class DistributedRuntime:
                 if self.recorder is not None:
                     self._record_wait(inputs(schedule, action), called, start)
                     self.recorder(self.rank, str(action), start, time.perf_counter())
-                if self.dp_group is not None and last_grad_action.get(action.stage) == i:
-                    stage = action.stage
-                    reductions += start_reduce(
-                        stage, self.stages[stage].params, runner.param_grads[stage], self.dp_group, self.bucket_bytes
-                    )
+                if last_grad_action.get(action.stage) == i:
+                    sync.stage_done(action.stage, runner.param_grads[action.stage])
             self.transport.finish()
-            for bucket in reductions:
-                self.wait_collective(bucket.work, f"the data-parallel gradient all-reduce of stage {bucket.stage}")
-                finish_reduce(runner.param_grads[bucket.stage], bucket, self.dp_group)
+            sync.finish(runner.param_grads)
             return self._share_loss(readback.read(runner.results) if readback is not None else None, runner)
         except BaseException:
             state.tasks.clear()
             self.transport.reset()
             raise
+        finally:
+            sync.end()
 
     def _share_loss(self, message: Tensor | None, runner: StepRunner) -> StepOutcome:
         buf = message if message is not None else torch.zeros(3, dtype=torch.float64)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastpipe.distributed.backend import backend_for
-from fastpipe.distributed.dp_reduce import finish_reduce, start_reduce
+from fastpipe.distributed.dp_reduce import finish_reduce, local_part, start_reduce
 from fastpipe.distributed.rank_stages import RankStages, Use, tensor_at
 from fastpipe.distributed.ranks import gather_objects
 from fastpipe.distributed.runtime import DistributedRuntime
@@ -165,11 +165,12 @@ class RankTies:
         changing a tied tensor outside the optimizer on one rank only)."""
         works = []
         for shared in self._shared:
-            buf = tensor_at(shared.location).detach().contiguous()  # a view of the tensor unless it was strided
+            # A view of the tensor (of its shard, under dp_shard="fsdp") unless it was strided.
+            buf = local_part(tensor_at(shared.location)).detach().contiguous()
             works.append((dist.broadcast(buf, src=shared.owner, group=shared.group.process_group, async_op=True), buf))
         for (work, buf), shared in zip(works, self._shared):
             self._runtime.wait_collective(work, f"the value of tied '{shared.name}' from rank {shared.owner}")
-            tensor = tensor_at(shared.location)
+            tensor = local_part(tensor_at(shared.location))
             if buf.data_ptr() != tensor.data_ptr():
                 with torch.no_grad():
                     tensor.copy_(buf)
