@@ -4,7 +4,7 @@ Console-script entry point: ``fastpipe = fastpipe.cli:main``. Examples::
 
     fastpipe plan --costs "1,2,3,4" --stages 2 --chunks 8 --schedule zb-h1
     fastpipe plan --model mymodels:build --sample-shape 256,512 --stages 4 --chunks 8
-    fastpipe plan --costs "1,2,3,4" --stages 2 --chunks 8 --schedule auto --memory-limit 2
+    fastpipe plan --model mymodels:build --sample-shape 256,512 --stages 4 --chunks 8 --memory-limit 24GiB
     fastpipe train --schedule zb-v --steps 300
     torchrun --nproc-per-node 2 -m fastpipe train --save ckpt --resume auto   # one process per stage
     fastpipe bench --quick --only e2e,schedules --out bench-out
@@ -17,53 +17,33 @@ the first two.
 With ``--model`` (a ``module:callable`` returning an ``nn.Sequential``, or a module-level
 ``nn.Sequential``; the module is looked up in the current directory first, as ``python -m``
 does) each layer is profiled on one micro-batch of a random sample; the plan's times are then
-seconds (else in the unit of ``--costs``) and it also shows each stage's peak memory: its
-activations for the micro-batches its worker keeps alive at once, plus parameters, gradients
-and optimizer state.
+seconds (else in the unit of ``--costs``) and it also shows each device's predicted peak in
+bytes: parameters, gradients, optimizer state, activations and W records
+(:mod:`fastpipe.cli_plan`).
 
 ``--schedule auto`` balances the layers for ZB-H1, then prints every schedule the search
 (:mod:`fastpipe.schedule.search`) considered on the stages' costs, with its simulated time,
 bubble (the idle share of the ``--stages`` workers, of which a candidate with several stages
-per worker uses fewer) and peak activation memory, and the one it chose. There
-``--memory-limit`` caps the activations one worker holds at once: in bytes of saved tensors
-with ``--model``, in the units of ``--memory`` (one micro-batch's, per layer) with it, else in
-micro-batches alive.
+per worker uses fewer) and each device's predicted peak, and the one it chose.
+``--memory-limit`` is in device bytes (``24GiB``): what is planned or chosen fits every device
+with 5% of its prediction kept free.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from fastpipe.balance import MEASURED_TOLERANCE, BalanceError, plan, predict
-from fastpipe.schedule import SCHEDULES, ScheduleError, build
+from fastpipe.balance import BalanceError
+from fastpipe.cli_plan import PLAN_EXAMPLE, run_plan
+from fastpipe.schedule import SCHEDULES, ScheduleError
 
 __all__ = ["build_parser", "main"]
 
 _PLAN_USAGE = (
     "fastpipe plan (--costs C1,C2,... | --model MODULE:CALLABLE --sample-shape N,...) --stages K --chunks M [options]"
 )
-_PLAN_EXAMPLE = "fastpipe plan --costs 1,2,3,4 --stages 2 --chunks 8"
-_COST_UNITS = " cost units"  # --costs are in any unit of time; the plan keeps it
-
-
-def _time_unit(seconds: float) -> tuple[float, str]:
-    """The factor and unit to show ``seconds`` in: s, ms, µs or ns, whichever gives 1 to 999."""
-    for scale, unit in ((1.0, "s"), (1e3, "ms"), (1e6, "µs")):
-        if abs(seconds) * scale >= 1:
-            return scale, unit
-    return 1e9, "ns"
-
-
-def _seconds(value: float) -> str:
-    """A time in seconds as people read it: ``4.51 ms``, ``1.2 s``, ``850 µs``."""
-    scale, unit = _time_unit(value)
-    return f"{value * scale:.3g} {unit}"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -93,64 +73,6 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
-@contextlib.contextmanager
-def _cwd_importable() -> Iterator[None]:
-    """The current directory first on ``sys.path`` for the block, as ``python -m`` puts it.
-
-    A console script's ``sys.path[0]`` is the script's own folder, so without this ``--model
-    mymodels:build`` could not import ``./mymodels.py``.
-    """
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def _load_model(spec: str) -> Any:
-    import importlib
-
-    from torch import nn
-
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--model takes 'module:callable', got {spec!r}")
-    with _cwd_importable():  # the builder may import its siblings too
-        obj = getattr(importlib.import_module(module_name), attr)
-        model = obj if isinstance(obj, nn.Module) else obj()
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"--model {spec} gave {type(model).__name__}, not an nn.Sequential")
-    return model
-
-
-def _profile(args: argparse.Namespace) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per-layer forward s, backward s, activation bytes and parameter bytes of one micro-batch."""
-    import torch
-
-    from fastpipe.balance import profile_layers
-
-    if args.sample_shape is None:
-        raise ValueError("--model needs --sample-shape (the mini-batch shape, e.g. 256,512)")
-    model = _load_model(args.model)
-    shape = list(args.sample_shape)
-    shape[0] = max(1, math.ceil(shape[0] / args.chunks))
-    dtype = getattr(torch, args.sample_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--sample-dtype {args.sample_dtype!r} is not a torch dtype")
-    sample = torch.randint(0, args.vocab, shape) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
-    prof = profile_layers(model, sample)
-    return (
-        list(prof.forward),
-        list(prof.backward),
-        [float(a) for a in prof.activation_bytes],
-        [float(b) for b in prof.parameter_bytes],
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``fastpipe`` argument parser: subcommands ``plan``, ``train`` and ``bench``."""
     from fastpipe._version import __version__
@@ -164,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="balance per-layer costs over stages and predict the schedule",
         description="Balance layers over pipeline stages (the balance: layers per stage) and "
         "predict the schedule's step; --schedule auto lists the schedules a search simulated on the costs "
-        f"and the fastest that fits --memory-limit. Example: {_PLAN_EXAMPLE}",
+        f"and the fastest that fits --memory-limit. Example: {PLAN_EXAMPLE}",
         usage=_PLAN_USAGE,
         formatter_class=_HelpFormatter,
     )
@@ -208,10 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
     p.add_argument(
         "--memory-limit",
-        type=float,
         default=None,
-        help="most bytes one stage may hold; with --schedule auto: most activation memory one worker holds at once "
-        "(bytes with --model, --memory's units with it, else micro-batches alive)",
+        metavar="SIZE",
+        help="bytes per device, e.g. 24GiB or 500MB: every device's predicted peak plus 5%% must fit (with "
+        "--model; with --costs, the sum of --memory over a stage's layers, or its activations in flight with "
+        "--schedule auto)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="except_last",
+        choices=("always", "except_last", "never"),
+        help="the recompute the pipe will run, which the memory model counts",
     )
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
     p.add_argument(
@@ -239,133 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_plan(args: argparse.Namespace) -> None:
-    """Says what is missing in words a first run understands, with a command that works."""
-    missing = []
-    if args.costs is None and args.model is None:
-        missing.append("the layers' costs (--costs 1,2,3,4, or --model module:callable to profile them)")
-    if args.stages is None:
-        missing.append("--stages K (the pipeline workers to balance the layers over)")
-    if args.chunks is None:
-        missing.append("--chunks M (the micro-batches per step)")
-    if missing:
-        raise ValueError(f"fastpipe plan needs {'; '.join(missing)}. Example: {_PLAN_EXAMPLE}")
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from fastpipe.train.options import virtual_stages
-
-    _check_plan(args)
-    acts: list[float] | None = None
-    params: list[float] | None = None
-    if args.model is not None:
-        fwd, bwd, acts, params = _profile(args)
-    else:
-        fwd = args.costs
-        bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
-    virtual = virtual_stages(args.schedule, args.virtual_stages)
-    if args.schedule == "auto":
-        return _plan_auto(args, fwd, bwd, acts)
-    schedule = build(args.schedule, args.stages, args.chunks, virtual_stages=virtual)
-    step: dict[str, Any] = {"microbatches": args.chunks, "schedule": args.schedule, "virtual_stages": virtual}
-    memory = args.memory
-    if memory is None and acts is not None and params is not None:
-        ones = [1.0] * schedule.num_stages
-        in_flight = max(predict([1] * schedule.num_stages, ones, ones, **step).peak_activations)
-        memory = [a * in_flight + args.state_factor * p for a, p in zip(acts, params)]
-    balance = plan(
-        fwd,
-        bwd,
-        args.stages,
-        memory=memory,
-        memory_limit=args.memory_limit,
-        comm=args.comm,
-        tolerance=MEASURED_TOLERANCE if args.model is not None else 0.0,  # profiled costs are noisy
-        **step,
-    )
-    timeline = predict(balance, fwd, bwd, comm=args.comm, **step)
-    peaks = timeline.peak_activations
-    # Profiled costs are seconds; given ones keep the unit they were given in.
-    time = _seconds if args.model is not None else (lambda t: f"{t:.4g}")
-    unit = "" if args.model is not None else _COST_UNITS
-    print(f"balance: {balance}")
-    start = 0
-    for stage, size in enumerate(balance):
-        line = (
-            f"  stage {stage} (worker {schedule.worker_of(stage)}): layers {start}..{start + size - 1}, "
-            f"fwd {time(sum(fwd[start : start + size]))}, bwd {time(sum(bwd[start : start + size]))}"
-        )
-        if acts is not None and params is not None:
-            alive = peaks[schedule.worker_of(stage)]
-            peak = alive * sum(acts[start : start + size]) + args.state_factor * sum(params[start : start + size])
-            line += f", peak memory {peak / 2**20:.1f} MiB ({alive} micro-batches alive on its worker)"
-        elif args.memory is not None:
-            line += f", memory {sum(args.memory[start : start + size]):.4g}"
-        print(line)
-        start += size
-    print()
-    print(schedule)
-    print()
-    busy = (sum(fwd) + sum(bwd)) * args.chunks
-    print(
-        f"predicted step: {time(timeline.makespan)}{unit} (sequential {time(busy)}{unit}, "
-        f"speed-up {busy / timeline.makespan:.3g}x)"
-    )
-    print(f"predicted bubble: {timeline.bubble_fraction:.1%}")
-    print("peak activations (micro-batches alive) per worker: " + ", ".join(str(p) for p in timeline.peak_activations))
-    return 0
-
-
-def _plan_auto(args: argparse.Namespace, fwd: list[float], bwd: list[float], acts: list[float] | None) -> int:
-    """``--schedule auto``: the balance for ZB-H1, then the search's table on its stages and the choice."""
-    from fastpipe.schedule.search import StageCosts, search
-
-    profiled = args.model is not None
-    balance = plan(
-        fwd,
-        bwd,
-        args.stages,
-        microbatches=args.chunks,
-        schedule="zb-h1",
-        comm=args.comm,
-        tolerance=MEASURED_TOLERANCE if profiled else 0.0,
-    )
-    ends = [sum(balance[: i + 1]) for i in range(len(balance))]
-
-    def per_stage(values: Sequence[float]) -> list[float]:
-        return [float(sum(values[end - size : end])) for end, size in zip(ends, balance)]
-
-    # Activation memory of one micro-batch per stage: profiled bytes (shown in MiB), given, or 1 (counts them).
-    scale, unit = (2**-20, " MiB") if acts is not None else (1.0, "")
-    given = acts if acts is not None else args.memory
-    activation = per_stage(given) if given is not None else [1.0] * len(balance)
-    costs = StageCosts.from_measured(
-        per_stage(fwd), per_stage(bwd), activation, weight_share=args.weight_share, comm=args.comm
-    )
-    choice = search(costs, len(balance), args.chunks, args.memory_limit)
-    # Profiled costs are seconds, shown in the unit of the chosen step; given ones keep theirs.
-    time_scale, time_unit = _time_unit(choice.chosen.time) if profiled else (1.0, _COST_UNITS.strip())
-    t = (lambda v: f"{v * time_scale:.4g} {time_unit}") if profiled else (lambda v: f"{v:.4g}")
-    print(f"balance: {balance} (planned for zb-h1)")
-    for stage, (f, b, w) in enumerate(zip(costs.forward, costs.backward, costs.weight)):
-        memory = f", activation {costs.activation[stage] * scale:.4g}{unit}" if given is not None else ""
-        print(f"  stage {stage}: F {t(f)}, B {t(b)}, W {t(w)}{memory}")
-    if given is None:
-        print("  (no --memory or --model: peak memory counts the micro-batches alive)")
-    print()
-    print(
-        f"schedules considered for {args.chunks} micro-batches on {args.stages} workers (time in {time_unit} and "
-        "bubble simulated, peak per worker):"
-    )
-    print(choice.table(unit, scale, time_scale=time_scale))
-    print()
-    print(choice.schedule)
-    print()
-    shown = _seconds(choice.chosen.time) if profiled else f"{choice.chosen.time:.4g}{_COST_UNITS}"
-    print(f"predicted step: {shown}, bubble {choice.chosen.bubble:.1%}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     parser = build_parser()
@@ -375,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "plan":
-            return _plan(args)
+            return run_plan(args)
         if args.command == "train":
             from fastpipe.train import run
 
@@ -386,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_bench(args)
     except (BalanceError, ScheduleError, ValueError, ImportError, AttributeError, FileNotFoundError) as exc:
-        print(f"fastpipe: error: {exc}", file=sys.stderr)
+        print(f"fastpipe: error: {str(exc).removeprefix('fastpipe: ')}", file=sys.stderr)
         return 2
     return 1
 

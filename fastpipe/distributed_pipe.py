@@ -31,17 +31,19 @@ from torch import Tensor, nn
 
 from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.distributed.backend import backend_for
+from fastpipe.distributed.fsdp import check_dp_shard, refuse_sharded_fit, shard_pipe, state_bytes
+from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
 from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.distributed.rank_step import rank_step
 from fastpipe.distributed.ranks import check_same_settings, gather_objects, pipeline_groups
 from fastpipe.distributed.runtime import DEFAULT_TIMEOUT, DistributedRuntime
+from fastpipe.distributed.step_outcome import apply_outcome
 from fastpipe.distributed.tie_group import RankTies
 from fastpipe.distributed.watchdog import FIRST_STEP_TIMEOUT
 from fastpipe.errors import PipelineError
-from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
+from fastpipe.model.batchnorm import DeferredBatchNorm
 from fastpipe.model.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.runtime.options import P2P, RuntimeOptions
-from fastpipe.runtime.param_hooks import accumulate_grads
 from fastpipe.runtime.step import LossSpec, Stage
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
@@ -79,6 +81,8 @@ class DistributedPipe(nn.Module):
         process_group: the pipeline group (default: WORLD).
         mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
         dp_group: the data-parallel group of this rank's replicas (with ``process_group``).
+        dp_shard: ``"replicate"`` (each replica holds whole stages) or ``"fsdp"``: FSDP2 shards each stage over
+            the mesh's ``"dp"`` dimension (:mod:`fastpipe.distributed.fsdp`).
         device: where this rank's stages live (default: the current GPU under NCCL, else CPU).
         deferred_batch_norm: as for :class:`fastpipe.Pipe`.
         timeout: bound in seconds on every wait; a dead or failed peer raises
@@ -94,6 +98,7 @@ class DistributedPipe(nn.Module):
             needs, also on gloo); default ordered on NCCL, tags elsewhere. Every rank must match the same way.
         fused_wgrad, wgrad_batch, tune_malloc: as for :class:`fastpipe.Pipe`. Where one of these four is
             None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
+        memory_limit: bytes per device (or ``"24GiB"``), checked on every rank before a step runs.
 
     A tensor that layers on several stages use (an embedding tied to the head) is found in
     ``module``. Each rank that uses it holds its own under the Sequential's name of its first
@@ -115,6 +120,7 @@ class DistributedPipe(nn.Module):
         process_group: Any = None,
         mesh: Any = None,
         dp_group: Any = None,
+        dp_shard: str = "replicate",
         device: torch.device | str | None = None,
         deferred_batch_norm: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
@@ -126,6 +132,7 @@ class DistributedPipe(nn.Module):
         fused_wgrad: bool | None = None,
         wgrad_batch: int | None = None,
         tune_malloc: bool | None = None,
+        memory_limit: float | str | None = None,
         _stage_modules: dict[int, nn.Sequential] | None = None,
         _ties: Sequence[Sequence[str]] = (),
     ) -> None:
@@ -142,6 +149,7 @@ class DistributedPipe(nn.Module):
         opts = RuntimeOptions.resolve(
             p2p=p2p, fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc
         )
+        check_dp_shard(dp_shard, mesh)
         group, dp = pipeline_groups(process_group, mesh, dp_group)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         balance = list(balance)
@@ -174,6 +182,7 @@ class DistributedPipe(nn.Module):
         self.on_nan = on_nan
         self.group, self.dp_group = group, dp
         self.last_timeline: Timeline | None = None
+        self.memory_guard = None if memory_limit is None else RankMemoryGuard(memory_limit, dp_shard=dp_shard)
         for name, layer in built.layers:  # each tied tensor once: the Sequential's keys
             self.add_module(name, layer)
         stages = {s: Stage(p, self.device, first_layer_in_place(p), opts) for s, p in built.stages.items()}
@@ -188,7 +197,9 @@ class DistributedPipe(nn.Module):
             "checkpoint": checkpoint,
             "deferred_batch_norm": deferred_batch_norm,
             "on_nan": on_nan,
+            "dp_shard": dp_shard,
             "ties": built.expected,
+            "memory_limit": None if self.memory_guard is None else self.memory_guard.limit,
         }
         control = self._runtime.control_group
         check_same_settings(settings, control, "pipeline", timeout)
@@ -199,6 +210,9 @@ class DistributedPipe(nn.Module):
         facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)
         self._side_names = list(dict.fromkeys(n for f in facts for n in f["side"]))
         self._ties = RankTies(built, [f["ties"] for f in facts], stages, self._runtime, bucket_bytes)
+        self.dp_shard = dp_shard
+        if dp_shard == "fsdp":  # after the ties' first broadcast, which sends whole tensors
+            shard_pipe(self, stages, mesh, self._runtime)
 
     @classmethod
     def from_stage_builder(
@@ -251,6 +265,11 @@ class DistributedPipe(nn.Module):
     def ties(self) -> RankTies:
         """The pipeline's tied tensors (every rank's), and this rank's part in keeping them equal."""
         return self._ties
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """This rank's bytes of ``"parameters"``, ``"gradients"`` and ``"optimizer"`` state (of ``optimizer``),
+        tied copies included; 1/D of each with ``dp_shard="fsdp"``, besides the step's gathered working set."""
+        return state_bytes([*self.parameters(), *(p for st in self._stages.values() for p in st.params)], optimizer)
 
     def train(self, mode: bool = True) -> DistributedPipe:
         """As ``nn.Module.train``; the stages' clones of tied layers follow too."""
@@ -317,6 +336,7 @@ class DistributedPipe(nn.Module):
         self.last_timeline = runtime.start_timeline(trace)
         here = f"stage {','.join(map(str, self._stages))}"
         step = rank_step(self, input, target, loss_fn, side, schedule, here)
+        check_rank_memory(self, step, loss_fn)
         count = len(step.sizes)
         checkpoint = checkpoint_predicate(self.checkpoint, self.training, count)
 
@@ -332,26 +352,7 @@ class DistributedPipe(nn.Module):
             step_seed=step.step_seed,
             side=step.side,
         )
-        self._ties.check_constant()
-        if scaling:
-            outcome.loss = outcome.loss / scale
-        if self.deferred_batch_norm and self.training:
-            for st in self._stages.values():
-                commit_deferred_batch_norm(st.module)
-        # Every rank of the pipeline (and of its replicas) sees the same outcome here, so the
-        # tie groups either all reduce or all skip.
-        if outcome.nonfinite is not None and not scaling:
-            if self.on_nan == "raise":
-                raise PipelineError(
-                    f"fastpipe: the loss is {outcome.loss.item()} at step {runtime.steps}, "
-                    f"{outcome.nonfinite}; gradients were not applied (on_nan='skip' skips such "
-                    "steps)"
-                )
-            return outcome.loss
-        self._ties.reduce(outcome.param_grads)
-        for s, st in self._stages.items():
-            accumulate_grads(st.params, outcome.param_grads[s])
-        return outcome.loss
+        return apply_outcome(self, outcome, scale, scaling)
 
     def fit(
         self,
@@ -373,8 +374,9 @@ class DistributedPipe(nn.Module):
         every rank yields the same losses. With data parallelism each stage's update averages
         its gradient over the replicas first. A batch may carry side inputs as a third item
         (every rank's, as for :meth:`train_step`). It refuses tied weights across stages
-        (each stage updates on its own, so the copies would drift).
+        (each stage updates on its own, so the copies would drift), and stages sharded with ``dp_shard="fsdp"``.
         """
+        refuse_sharded_fit(self.runtime)
         return DistributedFitRun(
             self,
             batches,

@@ -13,6 +13,8 @@ The map of the package (each module imports only those above it):
   forward and backward time, its saved activations and its parameters (:class:`LayerProfile`).
 * :mod:`fastpipe.balance.torchgpipe`: torchgpipe's balancers, :func:`by_time` (profile, then
   :func:`plan`) and :func:`by_size` (profile, then the least largest stage memory).
+* :mod:`fastpipe.balance.device_need`: what a stage of given layers needs on its device, in bytes, by the
+  memory model (``balance="auto"`` with ``memory_limit``).
 * :mod:`fastpipe.balance.auto`: :func:`auto_balance`, the balance behind ``Pipe(..., balance="auto")``.
 
 Everything public is importable from ``fastpipe.balance`` itself. The planner's module is named

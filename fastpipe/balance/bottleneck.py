@@ -7,13 +7,17 @@ starts its search from it, and :func:`~fastpipe.balance.torchgpipe.by_size` uses
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["min_bottleneck"]
 
 
 def min_bottleneck(
-    costs: Sequence[float], stages: int, memory: Sequence[float] | None = None, limit: float = math.inf
+    costs: Sequence[float],
+    stages: int,
+    memory: Sequence[float] | None = None,
+    limit: float = math.inf,
+    fits: Callable[[int, int, int], bool] | None = None,
 ) -> list[int] | None:
     """Exact DP for the partition minimising the largest stage cost.
 
@@ -22,6 +26,8 @@ def min_bottleneck(
         stages: number of stages (each holds at least one layer).
         memory: bytes each layer needs; a stage needs the sum over its layers.
         limit: the most bytes one stage may need.
+        fits: ``fits(a, b, s)``: whether layers ``a:b`` fit as stage ``s`` (a need that is not a
+            sum over layers); with ``memory`` both must hold.
 
     Returns:
         Layers per stage, or None when no partition fits ``limit``.
@@ -40,7 +46,7 @@ def min_bottleneck(
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
-                if best[k - 1][j] == inf or pmem[i] - pmem[j] > limit:
+                if best[k - 1][j] == inf or pmem[i] - pmem[j] > limit or (fits is not None and not fits(j, i, k - 1)):
                     continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:

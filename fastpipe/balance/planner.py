@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastpipe.balance.bottleneck import min_bottleneck
 from fastpipe.schedule import Schedule, ScheduleError, build, simulate
@@ -72,6 +72,7 @@ def plan(
     virtual_stages: int = 1,
     max_evaluations: int = 200_000,
     tolerance: float = 0.0,
+    stage_memory: Callable[[int, int, int], float] | None = None,
 ) -> list[int]:
     """Returns the contiguous partition with the least simulated step time, the most even of those that tie.
 
@@ -82,7 +83,7 @@ def plan(
         microbatches: micro-batches per step M.
         schedule: schedule name (see :func:`fastpipe.schedule.build`).
         memory: bytes each layer needs on its device; a stage needs the sum over its layers.
-        memory_limit: the most bytes one stage may need (requires ``memory``).
+        memory_limit: the most bytes one stage may need (requires ``memory`` or ``stage_memory``).
         comm: link delay per boundary, as in :func:`fastpipe.schedule.simulate`.
         virtual_stages: stages per worker (``interleaved`` only).
         max_evaluations: simulation budget of the search; if it runs out (a warning says so) the result is
@@ -92,6 +93,9 @@ def plan(
             of squares), then the least time. With measured costs, noise decides between plans that tie
             within it; layer counts are not noisy, so the same model gets the same plan and a model of
             identical layers an even one. ``0``: only exact ties (within 1e-9).
+        stage_memory: ``stage_memory(a, b, s)``, the bytes stage ``s`` needs holding layers ``a:b``, where a
+            stage's need is not the sum of its layers' (a device's predicted peak depends on where the stage
+            sits in the schedule); it must not fall when a layer is added. With ``memory`` both must fit.
 
     Returns:
         The balance: layers per stage, summing to ``len(costs_fwd)``.
@@ -126,7 +130,7 @@ def plan(
     of 0 or 0.05.
     """
     stages = partitions * virtual_stages
-    _check_plan_input(costs_fwd, costs_bwd, partitions, stages, memory, memory_limit)
+    _check_plan_input(costs_fwd, costs_bwd, partitions, stages, memory, memory_limit, stage_memory is not None)
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise BalanceError(f"tolerance must be a finite relative margin >= 0 (e.g. 0.05), got {tolerance}")
     try:
@@ -137,7 +141,8 @@ def plan(
     mem = [float(x) for x in memory] if memory is not None else [0.0] * n
     limit = math.inf if memory_limit is None else float(memory_limit)
     search = _BranchAndBound(sched, comm, costs_fwd, costs_bwd, mem, limit, stages, microbatches, max_evaluations)
-    start = min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit)
+    search.stage_memory = stage_memory
+    start = min_bottleneck([f + b for f, b in zip(costs_fwd, costs_bwd)], stages, mem, limit, search.fits_stage)
     if start is None:
         raise BalanceError(_no_fit(mem, stages, limit))  # limit is finite: without one, any cut fits
     cuts = search.run(_bounds(start), tolerance)
@@ -157,6 +162,7 @@ def _check_plan_input(
     stages: int,
     memory: Sequence[float] | None,
     memory_limit: float | None,
+    stage_memory: bool = False,
 ) -> None:
     """Raises :class:`BalanceError` on the first argument of :func:`plan` that no partition can satisfy."""
     n = len(costs_fwd)
@@ -176,8 +182,10 @@ def _check_plan_input(
             f"{n} layers cannot fill {stages} stages (partitions x virtual_stages): each stage holds at least one "
             f"layer; plan at most {n} stages, or split the model into more layers"
         )
-    if memory_limit is not None and memory is None:
-        raise BalanceError("memory_limit needs per-layer memory: pass memory=[bytes of each layer], or no limit")
+    if memory_limit is not None and memory is None and not stage_memory:
+        raise BalanceError(
+            "memory_limit needs per-layer memory: pass memory=[bytes of each layer] (or stage_memory=), or no limit"
+        )
     if memory is not None and len(memory) != n:
         raise BalanceError(f"memory has {len(memory)} entries for {n} layers; give one entry per layer")
 
@@ -185,6 +193,8 @@ def _check_plan_input(
 def _no_fit(mem: Sequence[float], stages: int, limit: float) -> str:
     """Why no partition fits the memory limit, and what to change."""
     head = f"no partition into {stages} stages fits memory_limit={limit}"
+    if not any(mem):
+        return f"{head}: no contiguous cut keeps every stage's need within it. Raise memory_limit, or plan more stages"
     big = max(range(len(mem)), key=lambda i: mem[i])
     if mem[big] > limit:
         return (
@@ -249,6 +259,8 @@ class _BranchAndBound:
         self.best_squares = 0
         self.best_time = math.inf
         self.best_cuts: list[int] = []
+        # A stage's need where it is not the sum of its layers' (see plan's stage_memory).
+        self.stage_memory: Callable[[int, int, int], float] | None = None
 
     def run(self, seed: list[int], tolerance: float) -> list[int]:
         """The most even cuts within ``tolerance`` of the least time, searched from the incumbent ``seed``."""
@@ -264,9 +276,13 @@ class _BranchAndBound:
         self.search([0])
         return self.best_cuts
 
-    def fits(self, a: int, b: int) -> bool:
-        """Whether layers ``a:b`` fit the memory limit as one stage."""
-        return self.pm[b] - self.pm[a] <= self.limit
+    def fits(self, a: int, b: int, s: int) -> bool:
+        """Whether layers ``a:b`` fit the memory limit as stage ``s``."""
+        return self.pm[b] - self.pm[a] <= self.limit and self.fits_stage(a, b, s)
+
+    def fits_stage(self, a: int, b: int, s: int) -> bool:
+        """Whether layers ``a:b`` fit as stage ``s`` by ``stage_memory`` (True without one)."""
+        return self.stage_memory is None or self.stage_memory(a, b, s) <= self.limit
 
     def lower_bound(self, cuts: list[int]) -> float:
         """Simulated makespan with each unassigned stage at the cheapest layer it could hold (exact if complete)."""
@@ -287,8 +303,8 @@ class _BranchAndBound:
     def analytic_ok(self, a: int, left: int, cut: float) -> bool:
         """Whether layers ``a:`` can fill ``left`` stages that each keep the per-stage bound under ``cut``."""
         # Relaxation: every remaining stage j needs F_j + M c_j (+ B_j) < cut; greedy filling is exact for it.
-        for _ in range(left):
-            b = self._greedy_end(a, cut)
+        for i in range(left):
+            b = self._greedy_end(a, cut, self.stages - left + i)
             if b == a:
                 return False
             a = b
@@ -296,14 +312,14 @@ class _BranchAndBound:
                 return True
         return a == self.n
 
-    def _greedy_end(self, a: int, cut: float) -> int:
-        """The furthest end of a stage starting at layer ``a`` that fits memory and keeps its bound under ``cut``."""
+    def _greedy_end(self, a: int, cut: float, s: int) -> int:
+        """The furthest end of stage ``s`` from layer ``a`` that fits memory and keeps its bound under ``cut``."""
         pf, pb = self.pf, self.pb
         behind = pf[a] + (0.0 if self.split else pb[a])
         b = a
         while (
             b < self.n
-            and self.fits(a, b + 1)
+            and self.fits(a, b + 1, s)
             and (behind + self.microbatches * (pf[b + 1] - pf[a] + pb[b + 1] - pb[a]) < cut)
         ):
             b += 1
@@ -312,11 +328,11 @@ class _BranchAndBound:
     def candidates(self, cuts: list[int]) -> list[int]:
         """Ends of the next stage that fit memory, nearest the even split of the remaining layers first."""
         left = self.stages - len(cuts) + 1
-        a = cuts[-1]
+        a, s = cuts[-1], len(cuts) - 1
         if left == 1:
-            ends = [self.n] if self.fits(a, self.n) else []
+            ends = [self.n] if self.fits(a, self.n, s) else []
         else:
-            ends = [b for b in range(a + 1, self.n - left + 2) if self.fits(a, b)]
+            ends = [b for b in range(a + 1, self.n - left + 2) if self.fits(a, b, s)]
         ideal = a + (self.n - a) / left
         return sorted(ends, key=lambda e: abs(e - ideal))
 

@@ -144,7 +144,9 @@ def test_auto_balance_for_pipe() -> None:
         model, ["cpu"] * 4, sample, chunks=4, schedule="interleaved", virtual_stages=2, repeats=1, memory_limit=1e9
     )
     assert sum(balance) == 5 and len(balance) == 4
-    with pytest.raises(BalanceError, match="no partition"):
+    with pytest.raises(
+        BalanceError, match=r"no balance into 2 stages fits memory_limit=10 B per device: stage \d needs"
+    ):
         auto_balance(model, ["cpu", "cpu"], sample, chunks=4, memory_limit=10.0, repeats=1)
 
 

@@ -48,15 +48,35 @@ def test_plan_auto_prints_every_candidate_and_the_choice(capsys: pytest.CaptureF
     assert "predicted step: 131.3 cost units, bubble 26.9%" in out
 
 
-def test_plan_auto_under_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ("--costs", "1,2,3,4", "--stages", "2", "--chunks", "8", "--schedule", "auto")
-    status, out, _ = _plan(capsys, *argv, "--memory-limit", "2")
+def test_plan_auto_judges_every_candidate_by_its_devices_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--costs", "1,2,3,4", "--stages", "2", "--chunks", "8", "--schedule", "auto", "--checkpoint", "never")
+    given = ("--memory", "1024,1024,1024,1024")  # each layer's activation bytes per micro-batch
+    status, out, _ = _plan(capsys, *argv, *given, "--memory-limit", "8KiB")
     assert status == 0
-    assert "chosen: zb-h1 (memory_limit: 2)" in out
-    assert next(line for line in out.splitlines() if " gpipe " in line).endswith("over memory_limit")
-    status, _, err = _plan(capsys, *argv, "--memory-limit", "0.5")
+    assert "chosen: zb-h1 (memory_limit: 8.00 KiB per device)" in out
+    # zb-h2 keeps three of stage 0's micro-batches (3 KiB each) alive at once, 9 KiB: over 8 KiB.
+    fastest = next(line for line in out.splitlines() if " zb-h2 " in line)
+    assert "9.00 KiB, 1.00 KiB" in fastest and fastest.endswith("over memory_limit (+5% margin)")
+    status, _, err = _plan(capsys, *argv, *given, "--memory-limit", "100")
     assert status == 2
-    assert "no schedule fits memory_limit=0.5" in err and "below one micro-batch's activation" in err
+    assert "no schedule fits memory_limit=100 B on every device; the leanest, zb-h1" in err
+    assert "device 0 (stages 0) needs 6.00 KiB" in err
+    status, _, err = _plan(capsys, *argv, "--memory-limit", "8KiB")  # no bytes known without --memory or --model
+    assert status == 2 and "--memory-limit is in device bytes" in err
+
+
+def test_plan_auto_prints_a_profiled_models_peak_per_device(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--model", "_cli_model:build", "--sample-shape", "32,16", "--stages", "2", "--chunks", "4")
+    status, out, _ = _plan(capsys, *argv, "--schedule", "auto", "--memory-limit", "1MiB")
+    assert status == 0
+    assert "chosen: " in out and "(memory_limit: 1.00 MiB per device)" in out
+    one_f_one_b = next(line for line in out.splitlines() if " 1f1b " in line)
+    peaks = re.findall(r"(\d+\.\d\d) KiB", one_f_one_b)
+    assert len(peaks) == 2, one_f_one_b  # one per device
+    # The parameters, their gradients and Adam's two moments of the 64x64 layer alone: 4 x 16.25 KiB.
+    assert max(float(p) for p in peaks) > 4 * 16.25
+    status, _, err = _plan(capsys, *argv, "--schedule", "auto", "--memory-limit", "40KiB")
+    assert status == 2 and "no schedule fits memory_limit=40.00 KiB" in err and "optimizer" in err
 
 
 def test_plan_auto_profiles_a_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,7 +108,8 @@ def test_plan_auto_profiles_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (("--virtual-stages", "2"), "picks the stages per worker itself"),
         (("--weight-share", "1.5"), "weight_share must be in"),
-        (("--memory-limit", "-1"), "memory_limit must be a number > 0"),
+        (("--memory-limit", "-1"), "'-1' is not a size (not above 0); a size is"),
+        (("--memory-limit", "24 parsecs"), "unknown unit 'parsecs'"),
     ],
 )
 def test_plan_auto_refuses_bad_arguments(

@@ -46,7 +46,22 @@ def test_cli_plan_profiles_a_model_and_prints_memory(capsys: pytest.CaptureFixtu
     )
     out = capsys.readouterr().out
     assert status == 0
-    assert "balance: [" in out and "peak memory" in out and "MiB" in out and "predicted bubble" in out
+    assert "balance: [" in out and "peak memory per device" in out and "predicted bubble" in out
+    assert re.search(r"device 1 \(stages 1\): [0-9.]+ KiB \(parameters .*, optimizer .*, activations", out), out
+
+
+def test_cli_plan_balances_under_a_device_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "_cli_model:build", "--sample-shape", "32,16", "--stages", "2", "--chunks", "4"]
+    # The 64x64 layer's parameters, gradients and Adam's moments take 65 KiB wherever it goes.
+    assert cli.main([*argv, "--memory-limit", "120KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "memory_limit: 120.00 KiB per device, 5% of each prediction kept" in out
+    peaks = [float(m) for m in re.findall(r"device \d \(stages \d\): (\d+\.\d\d) KiB \(parameters", out)]
+    assert len(peaks) == 2 and max(peaks) * 1.05 <= 120 and max(peaks) > 65
+    assert cli.main([*argv, "--memory-limit", "20KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no balance into 2 stages fits memory_limit=20.00 KiB per device: stage 0 needs at least" in err
+    assert "(layer 0 alone)" in err and "parameters" in err and "optimizer" in err
 
 
 @pytest.mark.parametrize(

@@ -26,20 +26,26 @@ def test_auto_balance_plans_a_model_with_skips():
     assert_close_reordered(pipe(x), ref(x), k=64)
 
 
-def test_a_memory_limit_counts_the_skips_on_their_stash_and_pop_layers(monkeypatch):
+def test_a_memory_limit_counts_each_skip_on_the_stages_it_leaves_and_enters(monkeypatch):
     import fastpipe.balance.auto as auto
+    from fastpipe.balance.device_need import compose, layer_bytes
     from fastpipe.model.skip_memory import measure_skips
 
-    seen: list[list[float]] = []
+    needs = []
     real = auto.plan
-    monkeypatch.setattr(auto, "plan", lambda *a, **k: seen.append(list(k["memory"])) or real(*a, **k))
+    monkeypatch.setattr(auto, "plan", lambda *a, **k: needs.append(k["stage_memory"]) or real(*a, **k))
     model = unet()
     x = torch.randn(8, 6)
     auto.auto_balance(model, ["cpu"] * 3, x, chunks=2, memory_limit=1e12)
-    with monkeypatch.context() as m:
-        m.setattr(auto, "has_skips", lambda module: False)
-        auto.auto_balance(model, ["cpu"] * 3, x, chunks=2, memory_limit=1e12)
-    with_skips, without = seen
     spans = measure_skips(model, x[:4])
-    grown = {i for i, (a, b) in enumerate(zip(with_skips, without)) if a > b}
-    assert grown == {i for s in spans for i in (s.producer, s.consumer)}
+    (need,) = needs
+    assert need.spans == spans and spans
+    layers = layer_bytes(model, x[:4], {})
+    crossed = 0
+    for a in range(len(model)):
+        for b in range(a + 1, len(model) + 1):
+            extra = compose(layers, a, b, spans).input - compose(layers, a, b).input
+            crossing = [s for s in spans if (a <= s.producer < b) != (a <= s.consumer < b)]
+            assert extra == sum(s.nbytes for s in crossing), (a, b)
+            crossed += bool(crossing)
+    assert crossed

@@ -1,0 +1,259 @@
+"""``DistributedPipe(memory_limit=...)``: every rank refuses, before any action, a step one device could not hold.
+
+A rank holds only its own stages' layers (the others are released to the meta device, or never
+built), so no single rank can measure the whole pipeline. Each stage is therefore measured by
+the rank that holds it, on one micro-batch, and the figures travel down the pipeline the way
+the activations do::
+
+    owner of stage 0 ── StageBytes 0, output, skips ──▶ every rank
+    owner of stage 1 ── StageBytes 1, output, skips ──▶ every rank    (measured on stage 0's output)
+    ...
+
+After the last stage every rank holds every stage's figures
+(:func:`~fastpipe.memory.stage_bytes.measure_stages`) and the skips that cross stages, and
+predicts every device's peak (:func:`~fastpipe.memory.model.predict_memory`) from the same
+numbers. So all ranks reach the same verdict and raise the same error, naming the device,
+with no further message to agree on. An error while measuring travels in the owner's broadcast
+in place of its figures, and every rank raises. Data-parallel replicas then take the
+worst verdict of all (a max over every rank), so one replica's refusal stops the others too.
+
+The check runs at the first step of each schedule, checkpoint mode and micro-batch shape; stage
+0's rank shares a digest of the shape every step (one broadcast of 8 bytes). Every wait is bounded
+by the pipeline's first-step timeout, as a cold first step is.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from fastpipe.balance._untouched import state_kept
+from fastpipe.errors import PipelineError
+from fastpipe.memory.limit import over_limit, refusal
+from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
+from fastpipe.memory.sizes import parse_bytes
+from fastpipe.memory.stage_bytes import measure_stages
+from fastpipe.model.side_inputs import run_layers
+from fastpipe.model.skips import SkipStore, has_skips
+from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
+
+if TYPE_CHECKING:
+    from fastpipe.distributed.rank_step import RankStep
+    from fastpipe.distributed.runtime import DistributedRuntime
+    from fastpipe.distributed_pipe import DistributedPipe
+
+__all__ = ["RankMemoryGuard", "check_rank_memory"]
+
+_CHECKPOINTS = ("always", "except_last", "never")
+
+
+class RankMemoryGuard:
+    """A :class:`~fastpipe.DistributedPipe`'s budget of ``limit`` bytes per device (per rank).
+
+    Args:
+        limit: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
+        optimizer: the optimizer whose state to count (Adam's two moments by default, see
+            :func:`~fastpipe.memory.model.optimizer_factor`).
+        dp_shard: the pipe's ``dp_shard``.
+
+    Attributes:
+        limit: the budget in bytes.
+        predicted: every device's prediction, by step key (schedule, checkpoint, shape).
+        last: every device's prediction for the last step checked.
+
+    Raises:
+        ValueError: a limit that is not a size; ``dp_shard="fsdp"``, whose sharded stages the
+            memory model does not predict (measuring one would run FSDP's collectives on one
+            replica's ranks).
+    """
+
+    def __init__(
+        self, limit: int | float | str, optimizer: OptimizerSpec = "adam", *, dp_shard: str = "replicate"
+    ) -> None:
+        if dp_shard == "fsdp":
+            raise ValueError(
+                "fastpipe: memory_limit is not predicted for stages sharded with dp_shard='fsdp'; drop memory_limit "
+                "(DistributedPipe.state_bytes(opt) reports a rank's sharded state), or use dp_shard='replicate'"
+            )
+        self.limit = parse_bytes(limit)
+        self.optimizer = optimizer
+        self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+        self.last: list[DeviceMemory] = []
+
+
+def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]) -> None:
+    """Raise the same ``ValueError`` on every rank if a device's predicted peak exceeds the pipe's limit.
+
+    Call it on every rank after the step's inputs are shared and before any action runs; a pipe
+    without ``memory_limit`` returns at once, without a message.
+
+    Raises:
+        ValueError: naming the device, its stages and what it holds, by part.
+        PipelineError: another rank failed to measure its stage, or a rank is missing.
+    """
+    guard: RankMemoryGuard | None = getattr(pipe, "memory_guard", None)
+    if guard is None:
+        return
+    runtime = pipe.runtime
+    wgrad_batch = max(st.wgrad_batch for st in pipe._stages.values())
+    shape = torch.tensor([_shape_digest(step.microbatches[0]) if step.microbatches else 0], dtype=torch.int64)
+    shared = int(runtime.broadcast(shape, runtime.first_rank, "the micro-batch shape for memory_limit").item())
+    # Another recompute policy than the three whole-stage ones counts as none: the most it can hold.
+    mode = pipe.checkpoint if isinstance(pipe.checkpoint, str) and pipe.checkpoint in _CHECKPOINTS else "never"
+    key = (step.schedule, mode, wgrad_batch, tuple(step.sizes), shared)
+    devices = guard.predicted.get(key)
+    measured = devices is None
+    if devices is None:
+        stages, skips, input_grad = _relay(pipe, step, loss_fn)
+        devices = predict_memory(
+            step.schedule,
+            stages,
+            checkpoint=mode,
+            optimizer=guard.optimizer,
+            skips=skips,
+            wgrad_batch=wgrad_batch,
+            input_grad=input_grad,
+        )
+        guard.predicted[key] = devices
+    guard.last = devices
+    over = over_limit(devices, guard.limit)
+    if measured and runtime.dp_group is not None:  # the replicas measured this step together
+        flag = torch.tensor([0.0 if over is None else 1.0])
+        if runtime.agree_max(flag, "the memory_limit verdicts of the replicas").item() and over is None:
+            raise ValueError(
+                f"fastpipe: a data-parallel replica's device exceeds memory_limit={guard.limit} bytes (its ranks "
+                "raised the details); the step did not run here either"
+            )
+    if over is not None:
+        raise ValueError(refusal(over, guard.limit))
+
+
+@dataclass
+class _Measured:
+    """What the owner of a stage broadcasts: its bytes, its output and the skips that go on past it."""
+
+    stage_bytes: StageBytes | None
+    output: Any = None
+    left: dict[str, Tensor] = field(default_factory=dict)
+    input_grad: bool = False
+    error: str = ""
+
+
+def _relay(
+    pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]
+) -> tuple[list[StageBytes], list[tuple[int, int, float]], bool]:
+    """Every stage's bytes, the skips between stages ``(producer, consumer, bytes)``, and whether
+    stage 0's input needs a gradient; the same on every rank (see the module docstring)."""
+    runtime = pipe.runtime
+    value: Any = None
+    pending: dict[str, Tensor] = {}
+    stashed: dict[str, tuple[int, int]] = {}  # name -> (producer stage, bytes)
+    found: list[StageBytes] = []
+    edges: list[tuple[int, int, float]] = []
+    input_grad = False
+    bound = runtime.watchdog.timeout
+    runtime.watchdog.timeout = max(bound, runtime.first_step_timeout)
+    try:
+        for s in range(len(pipe.balance)):
+            owner = runtime.placement[s]
+            mine = _measure(pipe, s, value, pending, step, loss_fn) if owner == runtime.rank else None
+            got: _Measured = _broadcast_object(runtime, mine, owner, f"stage {s}'s measured bytes for memory_limit")
+            if got.error:
+                if mine is not None:
+                    raise ValueError(got.error)
+                raise PipelineError(f"fastpipe: rank {runtime.global_rank_of(owner)} (stage {s}): {got.error}")
+            assert got.stage_bytes is not None
+            found.append(got.stage_bytes)
+            input_grad = input_grad or (s == 0 and got.input_grad)
+            for name in pending.keys() - got.left.keys():
+                producer, nbytes = stashed.pop(name)
+                edges.append((producer, s, float(nbytes)))
+            for name in got.left.keys() - pending.keys():
+                t = got.left[name]
+                stashed[name] = (s, t.untyped_storage().nbytes())
+            value, pending = got.output, got.left
+    finally:
+        runtime.watchdog.timeout = bound
+    return found, edges, input_grad
+
+
+def _measure(
+    pipe: DistributedPipe,
+    s: int,
+    received: Any,
+    skips: Mapping[str, Tensor],
+    step: RankStep,
+    loss_fn: Callable[[Any, Any], Tensor],
+) -> _Measured:
+    """Stage ``s`` (held here) on one micro-batch: its bytes, output and skips left, or the error."""
+    stage = pipe._stages[s]
+    module = stage.module
+    assert isinstance(module, nn.Sequential)
+    try:
+        if s == 0:
+            assert step.microbatches is not None, "stage 0's rank splits the input"
+            sample: Value = step.microbatches[0]
+        else:
+            sample = _arrived(received, stage.device)
+        pending = {n: t.to(stage.device) for n, t in skips.items()}
+        side = step.side[0] if step.side else {}
+        last = s == len(pipe.balance) - 1
+        with state_kept(module, None):  # measuring must not move the step's generators or statistics
+            (stage_bytes,) = measure_stages(
+                module,
+                [len(module)],
+                sample,
+                side_inputs=side,
+                skips=pending,
+                loss_fn=loss_fn if last else None,
+                target=step.targets[0] if last else None,
+                fused_wgrad=stage.options.fused_wgrad,
+            )
+            store = SkipStore(pending) if has_skips(module) else None
+            with torch.enable_grad():  # as the step runs it (a layer may branch on grad mode)
+                out = run_layers(module, sample, side, store)  # the last stage too: which skips it pops
+        left = store.values if store is not None else pending
+        return _Measured(
+            stage_bytes,
+            None if last else replace_tensors(out, [t.detach().cpu() for t in tensors_of(out)]),
+            {n: t.detach().cpu() for n, t in left.items()},
+            any(t.requires_grad for t in tensors_of(sample)),
+        )
+    except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise
+        return _Measured(None, error=f"measuring stage {s} for memory_limit raised {type(exc).__name__}: {exc}")
+
+
+def _arrived(value: Any, device: torch.device) -> Value:
+    """A stage's input as the transport hands it over: on the stage's device, floats requiring grad."""
+    return replace_tensors(
+        value, [t.to(device).requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors_of(value)]
+    )
+
+
+def _shape_digest(value: Any) -> int:
+    """A number that changes with the shapes and dtypes of a micro-batch's tensors."""
+    return zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for t in tensors_of(value)]).encode())
+
+
+def _broadcast_object(runtime: DistributedRuntime, value: Any, src: int, what: str) -> Any:
+    """``value`` of the pipeline's rank ``src`` on every rank, over the control group, each wait bounded."""
+    if runtime.rank == src:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    size = runtime.broadcast(size, src, what)
+    if runtime.rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = runtime.broadcast(payload, src, what)
+    if runtime.rank == src:
+        return value
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
