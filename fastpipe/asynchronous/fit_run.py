@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.asynchronous.direction import check_predictable, predict_weights
+from fastpipe.asynchronous.fit_limit import FitMemoryGuard
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.asynchronous.window import Split, Window, side_of
@@ -61,6 +62,8 @@ class FitRun(Iterator[Tensor]):
             predicted versions) held at once so far; 0 for ``sync`` and ``stale``.
         weight_copy_bound: per stage, the same read from the schedule (the most copies the
             window's stream needs at once, times the stage's parameter bytes).
+        memory_guard: the :class:`~fastpipe.asynchronous.fit_limit.FitMemoryGuard` of ``memory_limit``
+            (``fit``'s, else the pipe's), whose ``last`` is the last window's prediction; or None.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class FitRun(Iterator[Tensor]):
         max_grad_norm: float | None,
         window: int,
         trace: bool | None,
+        memory_limit: int | float | str | None = None,
     ) -> None:
         if consistency not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
@@ -123,6 +127,8 @@ class FitRun(Iterator[Tensor]):
         self.max_grad_norm = max_grad_norm
         self.window = window
         self.trace = trace
+        limit = getattr(getattr(pipe, "memory_guard", None), "limit", None) if memory_limit is None else memory_limit
+        self.memory_guard = None if limit is None else FitMemoryGuard(limit)
         self.steps = 0
         self.weight_copy_bytes = {s: 0 for s in self.stages}
         self.weight_copy_bound = {s: 0 for s in self.stages}
@@ -239,6 +245,8 @@ class FitRun(Iterator[Tensor]):
             for pool in self._pools.values():
                 pool.clear()
             raise StopIteration
+        if self.memory_guard is not None:
+            self.memory_guard.check(self, window)
         last = self.stages.get(self.num_stages - 1)
         if last is not None:  # the loss runs where the last stage's output is (weighed on the host first)
             window.targets = [to_device(t, last.device) for t in window.targets]
@@ -358,6 +366,7 @@ def fit(
     max_grad_norm: float | None = None,
     window: int = 8,
     trace: bool | None = None,
+    memory_limit: int | float | str | None = None,
 ) -> FitRun:
     """Train ``pipe`` on ``batches``: the same as ``pipe.fit(...)``.
 
@@ -377,5 +386,6 @@ def fit(
         max_grad_norm=max_grad_norm,
         window=window,
         trace=trace,
+        **({} if memory_limit is None else {"memory_limit": memory_limit}),
     )
     return run

@@ -153,6 +153,9 @@ class MultistepRunner(StepRunner):
         started = time.perf_counter()
         s, n = action.stage, action.microbatch
         grads = self.sums.pop((s, n), None) or [None] * len(self._live_params[s])
+        # The backward's accumulator is that same list: let go of it, or the sums outlive the
+        # update through the next mini-batch's forwards, until its first backward.
+        self.param_grads[s] = [None] * len(grads)
         self.weights[s].before_update()
         self.apply_update(s, n, grads)
         self.weights[s].version += 1

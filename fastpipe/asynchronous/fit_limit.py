@@ -1,0 +1,169 @@
+"""``fit(memory_limit=...)``: each window's predicted peak per device, checked before its first action.
+
+The first window of each shape (mini-batches, micro-batches, micro-batch shapes) measures the
+stages once on its first micro-batch (:func:`fastpipe.memory.stage_bytes.measure_stages`),
+with the layers' buffers and the random generators put back afterwards, so a run with a limit
+trains exactly as one without. It then predicts every device's peak over the window
+(:func:`fastpipe.asynchronous.memory.fit_devices`): what a ``train_step`` holds, plus the weight
+copies of the consistency policy, one gradient sum per mini-batch, the optimizer step's
+temporaries during each update, the state of the optimizer given to ``fit`` and, on a
+:class:`~fastpipe.DistributedPipe`, its transport's receive buffers. A device whose prediction
+plus :data:`~fastpipe.memory.limit.MARGIN` exceeds the limit stops the run with the same
+``ValueError`` as ``train_step`` (:func:`fastpipe.memory.limit.refusal`), before any weight changes.
+
+On a :class:`~fastpipe.DistributedPipe` each rank measures its own stages and the figures are
+relayed down the pipeline as for its ``train_step`` (:mod:`fastpipe.distributed.memory_limit`),
+so every rank reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fastpipe.asynchronous.memory import fit_devices, update_temporaries
+from fastpipe.asynchronous.window import Window
+from fastpipe.balance._untouched import grads_set_aside, state_kept
+from fastpipe.memory.limit import over_limit, refusal
+from fastpipe.memory.model import DeviceMemory, StageBytes
+from fastpipe.memory.optimizer import optimizer_factor
+from fastpipe.memory.sizes import parse_bytes
+from fastpipe.memory.stage_bytes import measure_stages
+from fastpipe.model.skip_memory import measure_skips, stage_skip_edges
+from fastpipe.model.skips import has_skips
+from fastpipe.step.microbatch import tensors_of, to_device
+
+if TYPE_CHECKING:
+    from fastpipe.asynchronous.fit_run import FitRun
+
+__all__ = ["FitMemoryGuard"]
+
+#: State bytes per parameter byte counted for an optimizer whose state is not known yet (Adam's two moments).
+_UNKNOWN_STATE = 2.0
+
+
+class FitMemoryGuard:
+    """Checks a ``fit`` run's windows against ``limit`` bytes per device.
+
+    Args:
+        limit: bytes per device: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
+
+    Attributes:
+        limit: the budget in bytes.
+        predicted: every device's prediction, by window shape.
+        last: every device's prediction for the last window checked.
+    """
+
+    def __init__(self, limit: int | float | str) -> None:
+        self.limit = parse_bytes(limit)
+        self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+        self.last: list[DeviceMemory] = []
+
+    def check(self, run: FitRun, window: Window) -> list[DeviceMemory]:
+        """The devices' predicted peaks over ``window``; ``ValueError`` if one exceeds the limit.
+
+        Call it on every rank, before the window's first action. Ranks key the window by what
+        they all know (its micro-batch sizes), so that they measure again together.
+        """
+        local = hasattr(run.pipe, "partitions")
+        shape = tuple((tuple(t.shape), t.dtype) for t in tensors_of(window.inputs[0])) if local else ()
+        key = (window.minibatches, window.microbatches, tuple(window.sizes), shape)
+        devices = self.predicted.get(key)
+        if devices is None:
+            devices = self.predicted[key] = _predict(run, window)
+        self.last = devices
+        over = over_limit(devices, self.limit)
+        if over is not None:
+            raise ValueError(refusal(over, self.limit))
+        return devices
+
+
+def _predict(run: FitRun, window: Window) -> list[DeviceMemory]:
+    pipe: Any = run.pipe
+    try:
+        factor = optimizer_factor(run.optimizer)
+    except ValueError:  # an optimizer of its own kind, before its first step: count Adam's state
+        factor = _UNKNOWN_STATE
+    transient = {s: update_temporaries(run.optimizer, st.params, run.max_grad_norm) for s, st in run.stages.items()}
+    mode: Any = run.checkpoint_mode
+    policy = None if isinstance(mode, str) else mode  # a per-layer policy: measured with its regions recomputed
+    whole = mode if mode in ("always", "except_last") else "never"  # what recomputes whole stages in fit
+    if hasattr(pipe, "partitions"):
+        stages, skips, first_input, window_bytes, transport = _local(run, window, policy)
+    else:
+        stages, skips, first_input, window_bytes, transport = _ranks(run, window, transient)
+    return fit_devices(
+        stages,
+        microbatches=window.microbatches,
+        minibatches=window.minibatches,
+        consistency=run.consistency,
+        checkpoint=whole,
+        optimizer=factor,
+        update_transient=[transient.get(s, 0) for s in range(run.num_stages)],
+        workers=run.num_workers,
+        transport=transport,
+        skips=skips,
+        first_input=first_input,
+        window_bytes=window_bytes,
+    )
+
+
+def _nbytes(values: Any) -> int:
+    return sum(t.numel() * t.element_size() for v in values for t in tensors_of(v))
+
+
+_Measured = tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[int], str]
+
+
+def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
+    """A :class:`fastpipe.Pipe`'s stages, measured here on the window's first micro-batch."""
+    pipe: Any = run.pipe
+    module = nn.Sequential(*[m for p in pipe.partitions for m in p])
+    first, last = run.stages[0], run.stages[run.num_stages - 1]
+    sample = to_device(window.inputs[0], first.device)
+    target = to_device(window.targets[0], last.device)
+    side = window.side[0] if window.side else {}
+    with state_kept(module, None), grads_set_aside(module):
+        stages = measure_stages(
+            module,
+            pipe.balance,
+            sample,
+            side_inputs=side,
+            loss_fn=run.loss_fn,
+            target=target,
+            fused_wgrad=first.options.fused_wgrad,
+            recompute=policy,
+        )
+        spans = measure_skips(module, sample, **side) if has_skips(module) else []
+    skips = [(a, b, float(n)) for a, b, n in stage_skip_edges(spans, pipe.balance)]
+    # fit copies the micro-batches to stage 0's device and the window's targets to the last stage's.
+    first_input = any(t.device != first.device for t in tensors_of(window.inputs[0]))
+    moved = _nbytes(t for t in window.targets if any(x.device != last.device for x in tensors_of(t)))
+    return stages, skips, first_input, [0] * (run.num_stages - 1) + [moved], "local"
+
+
+def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
+    """A :class:`~fastpipe.DistributedPipe`'s stages, each measured by its rank and relayed to every rank."""
+    from fastpipe.distributed.memory_limit import _relay
+
+    pipe: Any = run.pipe
+    runtime = pipe.runtime
+    step: Any = SimpleNamespace(microbatches=window.inputs or None, side=window.side, targets=window.targets)
+    stages, skips, _ = _relay(pipe, step, run.loss_fn)
+
+    def shared(value: int, stage: int, what: str) -> int:
+        return int(runtime.broadcast(torch.tensor([value], dtype=torch.int64), runtime.placement[stage], what).item())
+
+    for s in range(run.num_stages):  # each rank knows only its own stages' optimizer steps
+        transient[s] = shared(transient.get(s, 0), s, f"stage {s}'s update bytes")
+    # fit copies the whole window's inputs to stage 0's device, and its targets to the last stage's.
+    first, last = run.stages.get(0), run.stages.get(run.num_stages - 1)
+    inputs = _nbytes(v for v in window.inputs if first and any(t.device != first.device for t in tensors_of(v)))
+    targets = _nbytes(t for t in window.targets if last and any(x.device != last.device for x in tensors_of(t)))
+    window_bytes = [0] * run.num_stages
+    window_bytes[0] += shared(inputs, 0, "the window's input bytes")
+    window_bytes[-1] += shared(targets, run.num_stages - 1, "the window's target bytes")
+    return stages, skips, False, window_bytes, "ordered" if runtime.ordered else "tags"
