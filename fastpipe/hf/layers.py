@@ -31,10 +31,18 @@ from torch import Tensor, nn
 
 from fastpipe.hf.own_forward import Absent, LastHidden, Reached, StandIn, Stub, has_state, hidden_of, own_forward
 
-__all__ = ["SIDE_INPUTS", "Layout", "ModelPart", "Embeddings", "DecoderBlock", "FinalNorm", "LMHead"]
+__all__ = ["SIDE_INPUTS", "PART_NAMES", "Layout", "ModelPart", "Embeddings", "DecoderBlock", "FinalNorm", "LMHead"]
 
 # The side inputs a HF decoder takes from the caller, as the HF model's forward names them.
 SIDE_INPUTS = ("attention_mask", "position_ids")
+
+# The attributes HF decoder layers keep their parts under, by part, first match first (Llama's
+# self_attn and mlp; GPT-2's attn; Falcon's self_attention; GPT-NeoX's attention; Mixtral's
+# block_sparse_moe; Llama 4's feed_forward; DBRX's ffn).
+PART_NAMES = {
+    "attention": ("self_attn", "attn", "self_attention", "attention"),
+    "mlp": ("mlp", "feed_forward", "block_sparse_moe", "ffn"),
+}
 
 Calls = list[tuple[int, tuple[Any, ...], dict[str, Any]]]
 
@@ -193,6 +201,15 @@ class DecoderBlock(ModelPart):
         else:
             out = self.layer(**{**kwargs, "hidden_states": hidden_states})
         return out[0] if isinstance(out, tuple) else out
+
+    def fastpipe_parts(self) -> dict[str, nn.Module]:
+        """The HF layer's submodules by part (see ``PART_NAMES``), which ``Pipe(checkpoint="mlp")`` recomputes."""
+        found = {}
+        for part, names in PART_NAMES.items():
+            module = next((m for n in names if isinstance(m := getattr(self.layer, n, None), nn.Module)), None)
+            if module is not None:
+                found[part] = module
+        return found
 
 
 class FinalNorm(ModelPart):

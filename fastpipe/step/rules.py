@@ -94,9 +94,18 @@ def checkpoint_predicate(mode: Checkpoint, training: bool, per_minibatch: int) -
     Micro-batches are numbered across the mini-batches of a run, ``per_minibatch`` to a
     mini-batch (one mini-batch for a step, a window of them for ``fit``). ``except_last``
     keeps the graph of each mini-batch's last micro-batch, whose backward starts at once.
-    Nothing is recomputed in ``eval()``, where there is no backward.
+    Nothing is recomputed in ``eval()``, where there is no backward. ``"auto"`` recomputes
+    nothing here (``fit`` checks no memory limit to choose by).
+
+    Raises:
+        ValueError: a per-layer policy, which ``Pipe`` applies itself and ``fit`` does not run.
     """
-    if not training or mode == "never":
+    if not isinstance(mode, str):
+        raise ValueError(
+            f"fastpipe: fit recomputes whole stages only, and checkpoint={mode} is a per-layer policy "
+            "(train_step's and forward's); set pipe.checkpoint to 'never', 'except_last' or 'always' before fit"
+        )
+    if not training or mode not in ("always", "except_last"):
         return lambda i: False
     if mode == "always":
         return lambda i: True
