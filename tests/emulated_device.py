@@ -23,6 +23,10 @@ Random ops on ``emu`` tensors run on the CPU tensors and so draw from the CPU's 
 generator: ``torch.manual_seed`` seeds them, and fastpipe's task streams route them like
 CPU draws (an accelerator without ``default_generators`` of its own, in ``fastpipe.rng.streams``).
 
+:func:`memory_stats` counts the bytes of the device's storages (the CPU storages its tensors
+wrap, each once, from the first tensor on it to the last one's end), as a device allocator
+would: a test can hold a device's peak against a prediction.
+
 What it cannot show: streams and events (the Python device guard has only the default
 stream and one device, so ``emu:1`` does not exist), kernels and their asynchrony, pinned
 memory, ``fastpipe._C``'s copies (the device takes the generic path of the capability
@@ -54,7 +58,9 @@ __all__ = [
     "backward",
     "device",
     "live_tensors",
+    "memory_stats",
     "register",
+    "reset_peak",
     "stuck",
     "thread_state",
     "unavailable",
@@ -66,6 +72,9 @@ NAME = "emu"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 _live: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_storages: dict[int, list[int]] = {}  # data_ptr of a wrapped CPU storage -> [nbytes, emu tensors on it]
+_bytes = {"live": 0, "peak": 0}
+_bytes_lock = threading.Lock()
 
 # What torch.autocast("emu") runs in its lower-precision dtype.
 _AUTOCAST_LOWER = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm")
@@ -105,6 +114,7 @@ class EmuTensor(torch.Tensor):
         )
         out.elem = elem
         _live.add(out)
+        _count(out)
         return out
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -115,6 +125,42 @@ class EmuTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return _run(func, args, kwargs or {})
+
+
+def _count(tensor: EmuTensor) -> None:
+    storage = tensor.elem.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if not ptr or not nbytes:
+        return
+    with _bytes_lock:
+        entry = _storages.get(ptr)
+        if entry is None:
+            entry = _storages[ptr] = [nbytes, 0]
+            _bytes["live"] += nbytes
+            _bytes["peak"] = max(_bytes["peak"], _bytes["live"])
+        entry[1] += 1
+    weakref.finalize(tensor, _uncount, ptr)
+
+
+def _uncount(ptr: int) -> None:
+    with _bytes_lock:
+        entry = _storages[ptr]
+        entry[1] -= 1
+        if not entry[1]:
+            del _storages[ptr]
+            _bytes["live"] -= entry[0]
+
+
+def memory_stats() -> tuple[int, int]:
+    """``(live, peak)``: bytes of the device's storages alive now, and the most at once since :func:`reset_peak`."""
+    with _bytes_lock:
+        return _bytes["live"], _bytes["peak"]
+
+
+def reset_peak() -> None:
+    """Start the peak of :func:`memory_stats` again from the bytes alive now."""
+    with _bytes_lock:
+        _bytes["peak"] = _bytes["live"]
 
 
 def _unwrap(x: Any) -> Any:

@@ -29,6 +29,8 @@ __all__ = [
     "first_layer_in_place",
     "check_input",
     "refuse_device_move",
+    "refuse_move",
+    "refuse_process_group",
     "warn_unpipelined",
 ]
 
@@ -301,6 +303,21 @@ def refuse_device_move(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
         call = ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
         raise TypeError(f"{MOVE_REFUSED} (got .to({call}))")
+
+
+def refuse_move(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A Pipe's ``.cuda()``, ``.cpu()`` and other whole-module moves: always ``TypeError``."""
+    raise TypeError(MOVE_REFUSED)
+
+
+def refuse_process_group(process_group: Any, mesh: Any) -> None:
+    """Raise ``TypeError`` when a Pipe (one process) is given a process group or a mesh."""
+    if process_group is not None or mesh is not None:
+        raise TypeError(
+            "fastpipe: Pipe runs every stage in this process; for one stage per process over torch.distributed "
+            "(torchrun), build fastpipe.DistributedPipe(model, balance, chunks=..., process_group=...) "
+            "(or mesh=...) on every rank instead"
+        )
 
 
 def stage_devices(devices: Sequence[Any] | None, stages: int, schedule: object, virtual_stages: int) -> Any:

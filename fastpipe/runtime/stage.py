@@ -10,6 +10,7 @@ from torch import nn
 
 from fastpipe.model.side_inputs import declared
 from fastpipe.model.skips import StageSkips, has_skips
+from fastpipe.runtime.offload import OffloadPolicy
 from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.runtime.wgrad import fusable_linears
 
@@ -27,12 +28,14 @@ class Stage:
             works in place and would otherwise write into a tensor that autograd (or a
             recompute) still needs.
         options: the pipe's switches; this stage reads ``fused_wgrad`` and ``wgrad_batch``.
+        offload: what its forwards offload to host memory (:mod:`fastpipe.runtime.offload`), or None.
     """
 
     module: nn.Module
     device: torch.device
     clone_input: bool = False
     options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    offload: OffloadPolicy | None = None
     params: list[nn.Parameter] = field(init=False)
     linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
     early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)

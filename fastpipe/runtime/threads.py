@@ -140,7 +140,7 @@ class LocalRuntime:
         step.post_output_grads(grad_outputs)
         try:
             inline = inline_workers(state.schedule, [st.device for st in self.stages], thread_device)
-            self.execute(state.schedule, ("BW", "B", "W"), step, "backward", inline)
+            self.execute(state.schedule, ("BW", "B", "W", "P"), step, "backward", inline)
         finally:
             state.tasks.clear()
         return [step.input_grads[m] for m in range(len(grad_outputs))], [
@@ -169,7 +169,7 @@ class LocalRuntime:
         step = self._step(state, grad=True, checkpoint=checkpoint, loss=loss)
         step.feed(microbatches)
         try:
-            self.execute(schedule, ("F", "BW", "B", "W"), step, "train step")
+            self.execute(schedule, ("F", "BW", "B", "W", "P"), step, "train step")
         finally:
             state.tasks.clear()
         losses = [step.results[m] for m in range(len(microbatches))]

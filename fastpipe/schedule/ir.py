@@ -13,6 +13,7 @@ Text form of an action (as in ``torch.distributed.pipelining``)::
     2RECV_F3   stage 2 receives the input of 2F3 from stage 1
     2SEND_B3   stage 2 sends the input grad of its backward to stage 1
     1RECV_B3   stage 1 receives the output grad of its backward from stage 2
+    1P3        stage 1 brings back what 1F3 offloaded to host memory, ahead of 1B3 (schedule.prefetch)
     0U1        stage 0 applies its weight update for mini-batch 1 (asynchronous streams only:
                there the number is a mini-batch, not a micro-batch; see schedule.multistep)
 
@@ -21,6 +22,7 @@ Dependencies (``->`` reads "needs")::
     F(s, m)      -> F(s-1, m)                       (s > 0)
     B/BW(s, m)   -> F(s, m), B/BW(s+1, m)           (s < last)
     W(s, m)      -> B(s, m)
+    P(s, m)      -> F(s, m);  and B/BW(s, m) -> P(s, m) where the schedule has that P
     U(s, n)      -> the backward (BW or W) of every micro-batch of mini-batch n on stage s, U(s, n-1)
     F(s, m)      -> U(s, n-1)                       (flushed streams only; m in mini-batch n)
 
@@ -43,14 +45,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from fastpipe.schedule.placement import describe_placement, placement_problem, round_robin
+from fastpipe.schedule.placement import placement_problem, round_robin
+from fastpipe.schedule.text import schedule_text
 
-__all__ = ["Action", "ActionKind", "COMPUTE_KINDS", "COMM_KINDS", "Schedule", "ScheduleError"]
+__all__ = ["Action", "ActionKind", "COMPUTE_KINDS", "COMM_KINDS", "COPY_KINDS", "Schedule", "ScheduleError"]
 
-ActionKind = Literal["F", "B", "W", "BW", "U", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+ActionKind = Literal["F", "B", "W", "BW", "U", "P", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 COMPUTE_KINDS = ("F", "B", "W", "BW", "U")
+COPY_KINDS = ("P",)  # a copy on a device's copy stream: its worker only issues it
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)\s*$")
+_KINDS = frozenset(COMPUTE_KINDS + COPY_KINDS + COMM_KINDS)
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U|P)(\d+)\s*$")
 
 
 class ScheduleError(ValueError):
@@ -66,8 +71,8 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE_KINDS and self.kind not in COMM_KINDS:
-            raise ScheduleError(f"unknown action kind {self.kind!r}; valid: {COMPUTE_KINDS + COMM_KINDS}")
+        if self.kind not in _KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}; valid: {COMPUTE_KINDS + COPY_KINDS + COMM_KINDS}")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -156,6 +161,11 @@ class Schedule:
         """The ``(stage, micro-batch)`` pairs whose backward is split into B and W (the rest use BW)."""
         return frozenset((a.stage, a.microbatch) for actions in self.workers for a in actions if a.kind == "B")
 
+    @cached_property
+    def prefetched(self) -> frozenset[tuple[int, int]]:
+        """The ``(stage, micro-batch)`` pairs whose offloaded activations a ``P`` brings back before their backward."""
+        return frozenset((a.stage, a.microbatch) for actions in self.workers for a in actions if a.kind == "P")
+
     def backward_of(self, stage: int, microbatch: int) -> Action:
         """The action that produces the input gradient of ``(stage, microbatch)``: its B or its BW."""
         kind = "B" if (stage, microbatch) in self.split_pairs else "BW"
@@ -196,8 +206,10 @@ class Schedule:
             if comm and self.crosses(s - 1, s):
                 return [Action("RECV_F", s, m), *flushed]
             return [Action("F", s - 1, m), *flushed]
+        if kind == "P":
+            return [Action("F", s, m)]
         if kind in ("B", "BW"):
-            deps = [Action("F", s, m)]
+            deps = [Action("F", s, m), *([Action("P", s, m)] if (s, m) in self.prefetched else [])]
             if s < last:
                 if comm and self.crosses(s, s + 1):
                     deps.append(Action("RECV_B", s, m))
@@ -371,24 +383,4 @@ class Schedule:
         return dataclasses.replace(self, workers=tuple(workers))
 
     def __str__(self) -> str:
-        cells = [[str(a) for a in actions] for actions in self.workers]
-        width = max([len(c) for row in cells for c in row] + [2])
-        slots = max([len(row) for row in cells] + [0])
-        head = (
-            f"{self.name}: {self.num_workers} workers, {self.num_stages} stages, {self.num_microbatches} micro-batches"
-        )
-        if self.minibatch_size:
-            head += (
-                f" in {self.num_minibatches} mini-batches of {self.minibatch_size}, "
-                f"{'flushed' if self.flush else 'no flush'}"
-            )
-        if self.skips:
-            head += ", skips " + ", ".join(f"{p}->{c}" for p, c in self.skips)
-        lines = [head]
-        if self.placement != round_robin(self.num_stages, self.num_workers):
-            held = ", ".join(f"worker {w}: {'+'.join(map(str, self.stages_of(w)))}" for w in range(self.num_workers))
-            lines.append(f"placement ({describe_placement(self.placement, self.num_workers)}): {held}")
-        lines.append("slot      " + " ".join(f"{i:>{width}}" for i in range(slots)))
-        for w, row in enumerate(cells):
-            lines.append(f"worker {w:<2} " + " ".join(f"{c:>{width}}" for c in row))
-        return "\n".join(lines)
+        return schedule_text(self)

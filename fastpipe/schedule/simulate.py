@@ -4,6 +4,12 @@ Each worker runs its actions in order. An action starts at the latest of: its wo
 dependency's end (plus the link delay ``comm`` when the dependency ran on another worker). This is list
 scheduling with a fixed per-worker order, so the result does not depend on the order the simulator visits
 workers in.
+
+A prefetch ``P(s, m)`` (:mod:`fastpipe.schedule.prefetch`) is a copy, not work: its worker issues it and
+goes on. Each worker has two copy lanes, one out of its device (the offload that ``F(s, m)`` starts when
+it ends, ``offload`` long) and one into it (the prefetches, ``prefetch`` long), each running one copy at
+a time in order. A ``P`` lasts from its issue until its copy arrives: the copy starts once its lane is free
+and the offload it brings back is done, and the backward that needs it waits for its end.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from fastpipe.schedule.fuse import weight_batches
-from fastpipe.schedule.ir import COMM_KINDS, Action, Schedule, ScheduleError
+from fastpipe.schedule.ir import COMM_KINDS, COPY_KINDS, Action, Schedule, ScheduleError
 from fastpipe.trace.timeline import Timeline
 
 __all__ = [
@@ -45,6 +51,8 @@ def simulate_times(
     comm: Cost = 0.0,
     combined: Cost | None = None,
     update: Cost = 0.0,
+    prefetch: Cost = 0.0,
+    offload: Cost = 0.0,
 ) -> dict[Action, tuple[int, float, float]]:
     """Simulates ``schedule`` and returns ``{action: (worker, start, end)}``.
 
@@ -60,6 +68,9 @@ def simulate_times(
     link = _per_stage(comm, max(n - 1, 0), "comm (one per stage boundary)")
     both = [b + w for b, w in zip(bwd, wgt)] if combined is None else _per_stage(combined, n, "combined")
     cost = {"F": fwd, "B": bwd, "W": wgt, "BW": both, "U": _per_stage(update, n, "update")}
+    copy_in, copy_out = _per_stage(prefetch, n, "prefetch"), _per_stage(offload, n, "offload")
+    lanes_in, lanes_out = [0.0] * schedule.num_workers, [0.0] * schedule.num_workers
+    offloaded: dict[tuple[int, int], float] = {}  # when each prefetched pair's offload is done
 
     def delay(dep: Action, action: Action, dep_worker: int, worker: int) -> float:
         if dep_worker == worker or action.kind in ("SEND_F", "SEND_B"):
@@ -87,11 +98,18 @@ def simulate_times(
                     start, end = free[w], ready
                 elif action.is_comm:
                     start = end = ready
+                elif action.kind == "P":
+                    start = ready
+                    copy = max(ready, lanes_in[w], offloaded.get((action.stage, action.microbatch), ready))
+                    end = lanes_in[w] = copy + copy_in[action.stage]
                 else:
                     start = ready
                     end = start + cost[action.kind][action.stage]
                 result[action] = (w, start, end)
-                free[w] = end
+                free[w] = start if action.kind == "P" else end
+                if action.kind == "F" and (action.stage, action.microbatch) in schedule.prefetched:
+                    lanes_out[w] = max(end, lanes_out[w]) + copy_out[action.stage]
+                    offloaded[(action.stage, action.microbatch)] = lanes_out[w]
                 pos[w] += 1
                 remaining -= 1
                 progress = True
@@ -109,6 +127,8 @@ def simulate(
     comm: Cost = 0.0,
     combined: Cost | None = None,
     update: Cost = 0.0,
+    prefetch: Cost = 0.0,
+    offload: Cost = 0.0,
 ) -> Timeline:
     """Simulates one step of ``schedule`` and returns its :class:`~fastpipe.trace.timeline.Timeline`.
 
@@ -124,11 +144,14 @@ def simulate(
             measured combined backward can differ from B + W: the split walks the graph,
             and only a combined one sums Linear weight gradients in the GEMM.
         update: cost of a weight update ``U`` (streams of mini-batches), scalar or per stage.
+        prefetch: the copy of one micro-batch's offloaded activations back to the device (a ``P``),
+            scalar or per stage; :func:`fastpipe.memory.offload.copy_costs` prices it from bandwidth.
+        offload: the copy out to the host that a prefetched micro-batch's ``F`` starts, scalar or per stage.
 
     Returns:
         The timeline, in the same units as the costs.
     """
-    times = simulate_times(schedule, forward, backward, weight, comm, combined, update)
+    times = simulate_times(schedule, forward, backward, weight, comm, combined, update, prefetch, offload)
     timeline = Timeline(schedule.num_workers, unit="cost units")
     for action, (w, start, end) in times.items():
         timeline.record(w, str(action), start, end)
@@ -143,12 +166,13 @@ def span_bubble_fraction(timeline: Timeline) -> float:
     over its span, while the spans are staggered by one forward per worker. The staggered start and
     end are left out here; :attr:`~fastpipe.trace.timeline.Timeline.bubble_fraction` counts them, so for one
     isolated step it cannot fall below about ``(K - 1) F / makespan``, since worker ``K - 1`` cannot
-    start before ``K - 1`` forwards have run. Communication events count neither as busy nor towards a span.
+    start before ``K - 1`` forwards have run. Communication and copy (``P``) events count neither as busy
+    nor towards a span.
     """
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     for e in timeline.events:
-        if e.kind in COMM_KINDS:
+        if e.kind in COMM_KINDS or e.kind in COPY_KINDS:
             continue
         first[e.worker] = min(first.get(e.worker, e.start), e.start)
         last[e.worker] = max(last.get(e.worker, e.end), e.end)

@@ -24,9 +24,10 @@ from fastpipe.trace.plotting import pyplot
 
 __all__ = ["Timeline", "TimelineEvent"]
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W|U|P)(\d+)$")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "U": "#222222"}
+_COPY = ("P",)  # copies on a copy stream: drawn under their worker's row, not busy time
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52", "U": "#222222", "P": "#937860"}
 _COMM_COLOUR = "#bbbbbb"
 # The legend says what each kind is: the letters alone mean nothing to a reader new to split backwards.
 _MEANINGS = {
@@ -35,6 +36,7 @@ _MEANINGS = {
     "W": "W: backward, weight gradient",
     "BW": "BW: backward, both (B + W)",
     "U": "U: optimizer update",
+    "P": "P: prefetch of offloaded activations (a copy)",
 }
 
 
@@ -136,16 +138,16 @@ class Timeline:
 
     @property
     def busy(self) -> list[float]:
-        """Per worker, the total duration of its compute (non-communication) events."""
+        """Per worker, the total duration of its compute events (neither communication nor copies)."""
         busy = [0.0] * self.num_workers
         for e in self.events:
-            if e.kind not in _COMM:
+            if e.kind not in _COMM and e.kind not in _COPY:
                 busy[e.worker] += e.duration
         return busy
 
     @property
     def bubble_fraction(self) -> float:
-        """``1 - busy / (num_workers * makespan)``; communication events do not count as busy."""
+        """``1 - busy / (num_workers * makespan)``; communication and copy events do not count as busy."""
         span = self.makespan
         if span <= 0:
             return 0.0
@@ -220,7 +222,8 @@ class Timeline:
         """Draws a PNG Gantt chart: one row per worker, a colour per kind, micro-batch numbers in the boxes.
 
         The legend names each kind: F forward, B the input-gradient backward, W the weight-gradient
-        backward, BW both backwards combined, U an optimizer update, grey boxes sends and receives.
+        backward, BW both backwards combined, U an optimizer update, P a prefetch (a thin bar along the
+        bottom of its worker's row, from its issue to the copy's arrival), grey boxes sends and receives.
 
         Args:
             path: where the PNG goes.
@@ -250,6 +253,11 @@ class Timeline:
             parsed = _parse(e.action)
             colour = _COMM_COLOUR if e.kind in _COMM else _COLOURS.get(e.kind, "#8172b2")
             height = 0.4 if e.kind in _COMM else 0.8
+            if e.kind in _COPY:  # under the compute boxes, which it overlaps
+                ax.broken_barh(
+                    [((e.start - origin) * scale, e.duration * scale)], (e.worker + 0.4, 0.1), facecolors=colour
+                )
+                continue
             if e.kind == "U" and e.duration < span / 200:  # an update too short to see: a tick at its time
                 ax.vlines((e.start - origin) * scale, e.worker - 0.45, e.worker + 0.45, colors=colour, linewidth=2)
                 continue
