@@ -11,11 +11,11 @@ from torch import Tensor, nn
 
 from fastpipe.asynchronous.fit_run import FitRun
 from fastpipe.balance.auto import resolve_balance
-from fastpipe.memory.limit import MemoryGuard
+from fastpipe.memory.offload import OffloadSpec, PipeOffload
+from fastpipe.memory.recompute import PipeRecompute
 from fastpipe.memory.sizes import parse_bytes
 from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.model.partition import (
-    MOVE_REFUSED,
     Device,
     check_balance,
     check_input,
@@ -24,6 +24,8 @@ from fastpipe.model.partition import (
     first_layer_in_place,
     layers_of,
     refuse_device_move,
+    refuse_move,
+    refuse_process_group,
     resolve_devices,
     stage_devices,
     warn_unpipelined,
@@ -39,15 +41,13 @@ from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.step.amp import loss_scale
-from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, is_auto
+from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, StepMemory, is_auto
 from fastpipe.step.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
+from fastpipe.step.recompute_policy import CheckpointSetting, Recompute, checkpoint_setting
 from fastpipe.step.rules import (
     CHECKPOINT_MODES,
-    Checkpoint,
-    check_checkpoint,
     check_chunks,
     check_loss_fn,
-    checkpoint_predicate,
     microbatch_loss,
     microbatch_weights,
     pipe_auto_schedule,
@@ -80,10 +80,10 @@ class Pipe(nn.Module):
         chunks: micro-batches per mini-batch. A batch that does not divide evenly gets a smaller last micro-batch;
             one that yields fewer runs with fewer, warned once. The default, 1, does not pipeline (it warns
             with several workers): pass the number of micro-batches, at least the number of stages.
-        checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last are
-            recomputed in backward) or ``"never"``. There is no recomputation in ``eval()``.
-            Recomputation replays dropout bit for bit: every (stage, micro-batch) draws from
-            its own generator, seeded once per step from the caller's generator.
+        checkpoint: what the backward recomputes (docs/memory.md): whole stages, ``"always"``, ``"except_last"``
+            (all micro-batches but the last) or ``"never"``; layers, ``fn(index, layer) -> bool``; parts of decoder
+            blocks, ``"attention"``/``"mlp"`` or a list; ``"auto"``: the least that fits ``memory_limit``. Nothing in
+            ``eval()``. Recompute replays dropout bit for bit: each (stage, micro-batch) has its own generator.
         deferred_batch_norm: BatchNorm layers become :class:`DeferredBatchNorm` (statistics of the whole mini-batch).
         trace: record a :class:`~fastpipe.trace.timeline.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
@@ -94,6 +94,8 @@ class Pipe(nn.Module):
             simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
         memory_limit: bytes per device (an int, or ``"24GiB"``): each step's predicted peak must fit
             or ``train_step`` raises before it runs (:mod:`fastpipe.memory.limit`); also bounds ``balance="auto"``.
+        offload: saved activations kept in host memory from forward to backward (docs/memory.md): a fraction per
+            stage, ``fn(index, layer) -> bool``, a list per stage, or ``"auto"`` (the least that fits ``memory_limit``).
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
         fused_wgrad: sum plain ``nn.Linear`` weight gradients inside their GEMM (default True).
         wgrad_batch: micro-batches per GEMM of deferred Linear weight gradients (default 2 on CPU, 1 on GPU).
@@ -117,13 +119,14 @@ class Pipe(nn.Module):
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        checkpoint: Checkpoint = "except_last",
+        checkpoint: CheckpointSetting = "except_last",
         deferred_batch_norm: bool = False,
         trace: bool = False,
         schedule: str | AutoSchedule = "1f1b",
         virtual_stages: int = 1,
         sample: Value | None = None,
         memory_limit: float | str | None = None,
+        offload: OffloadSpec = None,
         sample_side_inputs: Mapping[str, Any] | None = None,
         fused_wgrad: bool | None = None,
         wgrad_batch: int | None = None,
@@ -132,18 +135,13 @@ class Pipe(nn.Module):
         mesh: Any = None,
     ) -> None:
         super().__init__()
-        if process_group is not None or mesh is not None:
-            raise TypeError(
-                "fastpipe: Pipe runs every stage in this process; for one stage per process over torch.distributed "
-                "(torchrun), build fastpipe.DistributedPipe(model, balance, chunks=..., process_group=...) "
-                "(or mesh=...) on every rank instead"
-            )
+        refuse_process_group(process_group, mesh)
         module = check_module(module)
         check_materialised(module)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         check_chunks(chunks)
-        check_checkpoint(checkpoint)
+        self.checkpoint = checkpoint_setting(checkpoint)
         options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc)
         balance = resolve_balance(  # type: ignore[assignment]
             module,
@@ -155,6 +153,8 @@ class Pipe(nn.Module):
             chunks=chunks,
             schedule="zb-h1" if is_auto(schedule) else str(schedule),  # "auto" then searches on this balance
             virtual_stages=virtual_stages,
+            checkpoint=self.checkpoint,
+            wgrad_batch=options.wgrad_batch,
         )
         balance = check_balance(balance, len(module))
         device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
@@ -166,13 +166,11 @@ class Pipe(nn.Module):
         self.balance = balance
         self.devices = device_list
         self.chunks = chunks
-        self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         self.trace = trace
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.last_timeline: Timeline | None = None
-        self.memory_guard = None if memory_limit is None else MemoryGuard(memory_limit)
 
         # The layers under their own names (the Sequential's state_dict keys); stages stay a plain list.
         for name, layer in layers_of(module):
@@ -182,6 +180,9 @@ class Pipe(nn.Module):
             stage.to(device)
         self._stages = [Stage(m, d, first_layer_in_place(m), options) for m, d in zip(stage_modules, device_list)]
         self._ties = TiedWeights(ties, [s.params for s in self._stages])
+        self._recompute = PipeRecompute(self.checkpoint, self._stages, memory_limit)
+        self.memory_guard = self._recompute.guard
+        self._offload = PipeOffload(offload, self._stages, self.memory_guard)
         self._runtime = LocalRuntime(self._stages, tune_malloc=options.tune_malloc)
         weakref.finalize(self, self._runtime.close)
 
@@ -201,10 +202,7 @@ class Pipe(nn.Module):
         refuse_device_move(args, kwargs)
         return super().to(*args, **kwargs)
 
-    def _refuse_move(self, *args: Any, **kwargs: Any) -> Pipe:
-        raise TypeError(MOVE_REFUSED)
-
-    cuda = cpu = xpu = ipu = mtia = to_empty = _refuse_move
+    cuda = cpu = xpu = ipu = mtia = to_empty = refuse_move
 
     def train(self, mode: bool = True) -> Pipe:
         """As ``nn.Module.train``; the stages' clones of tied layers follow too."""
@@ -233,8 +231,8 @@ class Pipe(nn.Module):
         caller = CallerState.capture()
         step_seed = draw_step_seed()
         self.last_timeline = self._runtime.start_timeline(self.trace, len(self._stages))
-        schedule = pipe_schedule("gpipe", len(self._stages), len(microbatches), 1)
-        checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(microbatches))
+        schedule = self._offload.prefetch(pipe_schedule("gpipe", len(self._stages), len(microbatches), 1))
+        checkpoint = self._recompute.predicate(self.checkpoint, self.training, len(microbatches))
         if not grad:
             kw: dict[str, Any] = {"checkpoint": checkpoint, "caller": caller, "step_seed": step_seed, "side": side_mbs}
             outputs, _ = self._runtime.forward(schedule, microbatches, grad=False, **kw)
@@ -304,24 +302,21 @@ class Pipe(nn.Module):
         check_loss_fn(loss_fn)
         microbatches, side_mbs = self._scatter(input, side)
         sizes = [batch_size(x) for x in microbatches]
-        # loss_fn runs on the last stage, so the targets go where its output is.
-        last = self.devices[-1]
         split = split_targets(target, self.chunks, sizes)
         # Weighed where the caller's targets are (the CPU, usually): no device sync for a count.
         weights = microbatch_weights(loss_fn, split, sizes, "train_step")
-        targets = [to_device(t, last) for t in split]
+        targets = [to_device(t, self.devices[-1]) for t in split]  # where loss_fn runs: the last stage
+        memory = StepMemory(getattr(self.memory_guard, "limit", None), self.checkpoint, targets[0], loss_fn)
         sched = pipe_schedule(
             self.schedule if schedule is None else schedule,
             len(self._stages),
             len(sizes),
             self.virtual_stages if virtual_stages is None else virtual_stages,
-            AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs, self._stages[-1].wgrad_batch),
+            AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs, self._stages[-1].wgrad_batch, memory),
         )
-        if self.memory_guard is not None:
-            guard_args = (self.checkpoint, self._stages[-1].wgrad_batch, microbatches[0], targets[0], loss_fn)
-            self.memory_guard.check([m for p in self.partitions for m in p], self.balance, sched, *guard_args)
+        sched = self._offload.for_step(sched, microbatches[0], targets[0], loss_fn, self.checkpoint)
+        checkpoint = self._recompute.for_step(self.checkpoint, sched, microbatches[0], targets[0], loss_fn)
         self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
-        checkpoint = checkpoint_predicate(self.checkpoint, self.training, len(sizes))
         scale = loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(
             sched,
@@ -349,13 +344,12 @@ class Pipe(nn.Module):
         max_grad_norm: float | None = None,
         window: int = 8,
         trace: bool | None = None,
+        memory_limit: float | str | None = None,
     ) -> Any:
         """Train on ``batches`` of ``(input, target)``; each stage steps ``optimizer`` itself.
 
-        Returns an iterator of per-mini-batch losses (a :class:`fastpipe.asynchronous.FitRun`)::
-
-            for loss in tqdm(pipe.fit(loader, nn.CrossEntropyLoss(), opt, consistency="predict")):
-                ...
+        Returns an iterator of per-mini-batch losses (a :class:`fastpipe.asynchronous.FitRun`),
+        e.g. ``for loss in tqdm(pipe.fit(loader, nn.CrossEntropyLoss(), opt)): ...``.
 
         Mini-batches stream through a 1F1B pipeline (interleaved with ``virtual_stages`` > 1)
         without a flush between them (XPipe), ``window`` at a time; the pipeline drains
@@ -374,14 +368,20 @@ class Pipe(nn.Module):
             max_grad_norm: clip each *stage's* gradient norm to this (stages update apart).
             window: mini-batches between drains.
             trace: record each window's timeline in ``last_timeline``.
+            memory_limit: per device, checked per window (default the pipe's; :mod:`fastpipe.asynchronous.fit_limit`).
         """
         kw: dict[str, Any] = {"scheduler": scheduler, "max_grad_norm": max_grad_norm, "window": window, "trace": trace}
-        return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, **kw)
+        return FitRun(self, batches, loss_fn, optimizer, consistency=consistency, memory_limit=memory_limit, **kw)
 
     @property
     def runtime(self) -> LocalRuntime:
         """The thread driver that runs this pipe's schedules (its ``stages`` are the pipe's)."""
         return self._runtime
+
+    @property
+    def checkpoint_chosen(self) -> str | Recompute | None:
+        """What the last step recomputed: ``checkpoint``, or what ``"auto"`` chose (None before its first step)."""
+        return self._recompute.chosen
 
     @property
     def ties(self) -> TiedWeights:

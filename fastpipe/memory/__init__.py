@@ -11,6 +11,7 @@ Modules:
 * :mod:`fastpipe.memory.model`: the predicted per-device byte timeline of a schedule.
 * :mod:`fastpipe.memory.stage_bytes`: what each stage holds for one micro-batch, measured.
 * :mod:`fastpipe.memory.sizes`: byte sizes as people write them (``"24GiB"``).
+* :mod:`fastpipe.memory.candidates`: the schedule search's candidates judged in device bytes.
 
 Nothing is imported here, so importing the package builds and installs nothing.
 """

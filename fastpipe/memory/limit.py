@@ -15,16 +15,20 @@ The model is within 5% of the counted bytes on every schedule
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from fastpipe.memory.model import DeviceMemory, OptimizerSpec, predict_memory
+from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.sizes import format_bytes, parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.schedule.ir import Schedule
+from fastpipe.step.recompute_policy import Recompute
 
-__all__ = ["MARGIN", "MemoryGuard"]
+if TYPE_CHECKING:
+    from fastpipe.memory.offload_bytes import OffloadBytes
+
+__all__ = ["MARGIN", "MemoryGuard", "over_limit", "refusal"]
 
 #: The share of a prediction kept free for the model's error (it is within 5% of counted bytes).
 MARGIN = 0.05
@@ -44,13 +48,54 @@ class MemoryGuard:
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         #: The prediction of the last step checked, one :class:`~fastpipe.memory.model.DeviceMemory` per device.
         self.last: list[DeviceMemory] = []
+        #: What the last step checked recomputes: the pipe's ``checkpoint``, or what ``"auto"`` chose.
+        self.checkpoint: str | Recompute | None = None
+        #: What the pipe's offload takes off each device (:mod:`fastpipe.memory.offload`), or None.
+        self.offload: OffloadBytes | None = None
+        self._measured: dict[tuple[Any, ...], list[StageBytes]] = {}  # a step's stages do not depend on its schedule
+
+    def predict(
+        self,
+        layers: Sequence[nn.Module],
+        balance: Sequence[int],
+        schedule: Schedule,
+        checkpoint: str | Recompute,
+        wgrad_batch: int,
+        sample: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+    ) -> list[DeviceMemory]:
+        """The devices' predicted peaks for a step (as :meth:`check` takes it), measured once per key."""
+        key = (schedule, checkpoint, wgrad_batch, _shape(sample), None if self.offload is None else self.offload.key)
+        devices = self.predicted.get(key)
+        if devices is None:
+            policy = checkpoint if isinstance(checkpoint, Recompute) else None
+            module = nn.Sequential(*layers)
+            measured = (checkpoint, key[3])
+            stages = self._measured.get(measured) or measure_stages(
+                module, balance, sample, loss_fn=loss_fn, target=target, recompute=policy
+            )
+            self._measured[measured] = stages
+            if self.offload is not None:
+                stages = self.offload.stage_bytes(stages, sample, target, loss_fn)
+            input_grad = isinstance(sample, Tensor) and sample.requires_grad
+            devices = predict_memory(
+                schedule,
+                stages,
+                checkpoint="never" if policy is not None else str(checkpoint),
+                optimizer=self.optimizer,
+                wgrad_batch=wgrad_batch,
+                input_grad=input_grad,
+            )
+            self.predicted[key] = devices
+        return devices
 
     def check(
         self,
         layers: Sequence[nn.Module],
         balance: Sequence[int],
         schedule: Schedule,
-        checkpoint: str,
+        checkpoint: str | Recompute,
         wgrad_batch: int,
         sample: Any,
         target: Any,
@@ -62,38 +107,37 @@ class MemoryGuard:
             layers: the pipe's layers in order.
             balance: layers per stage.
             schedule: the step's schedule.
-            checkpoint: the pipe's checkpoint mode.
+            checkpoint: the pipe's checkpoint mode, or a per-layer policy (the stages are then
+                measured with its regions recomputed).
             wgrad_batch: micro-batches per batched W.
             sample: one micro-batch of input.
             target: its target.
             loss_fn: the step's loss.
         """
-        key = (schedule, checkpoint, wgrad_batch, _shape(sample))
-        devices = self.predicted.get(key)
-        if devices is None:
-            stages = measure_stages(nn.Sequential(*layers), balance, sample, loss_fn=loss_fn, target=target)
-            input_grad = isinstance(sample, Tensor) and sample.requires_grad
-            devices = predict_memory(
-                schedule,
-                stages,
-                checkpoint=checkpoint,
-                optimizer=self.optimizer,
-                wgrad_batch=wgrad_batch,
-                input_grad=input_grad,
-            )
-            self.predicted[key] = devices
+        devices = self.predict(layers, balance, schedule, checkpoint, wgrad_batch, sample, target, loss_fn)
         self.last = devices
-        over = [d for d in devices if d.total * (1 + MARGIN) > self.limit]
-        if over:
-            d = max(over, key=lambda d: d.total)
-            parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in d.parts.items() if n)
-            raise ValueError(
-                f"fastpipe: device {d.worker} (stages {', '.join(map(str, d.stages))}) needs "
-                f"{format_bytes(d.total)}, plus {MARGIN:.0%} kept for the prediction's error, over "
-                f"memory_limit={format_bytes(self.limit)}: {parts}. Raise the limit, recompute "
-                "(checkpoint='always'), use fewer or smaller micro-batches, or spread the model over more devices"
-            )
+        self.checkpoint = checkpoint
+        over = over_limit(devices, self.limit)
+        if over is not None:
+            raise ValueError(refusal(over, self.limit))
         return devices
+
+
+def over_limit(devices: Sequence[DeviceMemory], limit: int) -> DeviceMemory | None:
+    """The device furthest over ``limit`` bytes once :data:`MARGIN` is kept free; None when all fit."""
+    over = [d for d in devices if d.total * (1 + MARGIN) > limit]
+    return max(over, key=lambda d: d.total) if over else None
+
+
+def refusal(device: DeviceMemory, limit: int) -> str:
+    """Why ``device`` cannot run under ``limit`` bytes: what it needs, by part, and what to change."""
+    parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in device.parts.items() if n)
+    return (
+        f"fastpipe: device {device.worker} (stages {', '.join(map(str, device.stages))}) needs "
+        f"{format_bytes(device.total)}, plus {MARGIN:.0%} kept for the prediction's error, over "
+        f"memory_limit={format_bytes(limit)}: {parts}. Raise the limit, recompute "
+        "(checkpoint='always'), use fewer or smaller micro-batches, or spread the model over more devices"
+    )
 
 
 def _shape(value: Any) -> Any:

@@ -24,9 +24,11 @@ parameters       always; a weight tied across stages is held by its owner and, a
 gradients        each stage's running sums, to the end of the step, from the end of its first
                  ``BW`` (which frees the saved tensors layer by layer as it writes the sums, so
                  the two together peak at one of its ends) or from the start of its first ``W``
-                 that runs deferred GEMMs (which frees the records it reads only when done)
+                 that runs deferred GEMMs (which frees the records it reads only when done); in a
+                 stream of mini-batches, one sum per mini-batch, to the end of its update ``U``
 optimizer        always: the state of the parameters the optimizer steps (tie copies excluded),
-                 :func:`optimizer_factor` times their bytes
+                 :func:`optimizer_factor` times their bytes; while a ``U`` runs, also the
+                 temporaries of its optimizer step (``update_transient``)
 activations      the inputs, activations and recomputed activations above
 w_records        ``w_kept`` and ``w_records`` above
 skips            a cross-stage skip on its producer until the producer's backward, and on its
@@ -37,6 +39,11 @@ weight_versions  asynchronous ``fit``: the most weight copies a policy holds at 
                  (:func:`fastpipe.schedule.multistep.weight_versions`) times the trainable bytes
 receive_buffers  bytes a transport keeps between steps, as given
 ===============  ==============================================================================
+
+Offload (:mod:`fastpipe.runtime.offload`) takes ``offloaded`` bytes of the activation of each
+micro-batch that the schedule prefetches (a ``P``) off the device, from the end of its ``F`` to the
+start of its ``P``. They are host bytes until the ``P``'s end (:attr:`DeviceMemory.offloaded`, at
+their own peak), not part of the device's total.
 
 The time-varying parts are summed per worker over the schedule's simulated timing
 (:func:`fastpipe.schedule.simulate.sweep_peak`), and a device's activations, W records, skips
@@ -50,8 +57,7 @@ import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-import torch
-
+from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.schedule.fuse import adjacent_pairs
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
@@ -60,10 +66,6 @@ from fastpipe.schedule.simulate import simulate_times, sweep_peak, weight_releas
 
 __all__ = ["PARTS", "DeviceMemory", "OptimizerSpec", "StageBytes", "optimizer_factor", "predict_memory", "require_fit"]
 
-OptimizerSpec = torch.optim.Optimizer | str | float | None
-
-# State tensors per parameter byte, by name (torch keeps the moments in the parameter's dtype).
-_FACTORS = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 _CHECKPOINT = ("always", "except_last", "never")
 _POLICIES = ("sync", "stale", "stash", "predict")
 
@@ -93,6 +95,7 @@ class StageBytes:
         bw_transient: the same for a combined backward (``BW``) into sums that exist.
         w_stacked: the largest one Linear's record of a micro-batch (its ``x`` and ``dy``): a
             ``W`` that runs several micro-batches' records stacks them, one Linear at a time.
+        offloaded: what of ``activation`` a prefetched micro-batch's forward moves to host memory.
     """
 
     parameters: int
@@ -106,6 +109,7 @@ class StageBytes:
     b_transient: int = 0
     bw_transient: int = 0
     w_stacked: int = 0
+    offloaded: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -131,7 +135,8 @@ class DeviceMemory:
     """The predicted peak of one device (one worker of the schedule), in bytes, by part.
 
     ``total`` is the sum of the parts; the time-varying ones (gradients, activations,
-    w_records, skips) are those alive at the device's peak.
+    w_records, skips) are those alive at the device's peak. ``offloaded`` is apart: the most host
+    bytes its offload holds at once.
     """
 
     worker: int
@@ -145,6 +150,7 @@ class DeviceMemory:
     input_grads: int
     weight_versions: int
     receive_buffers: int
+    offloaded: int = 0
 
     @property
     def parts(self) -> dict[str, int]:
@@ -159,67 +165,11 @@ class DeviceMemory:
     def __str__(self) -> str:
         shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.parts.items() if n)
         where = ", ".join(str(s) for s in self.stages)
-        return f"device {self.worker} (stages {where}): {format_bytes(self.total)} ({shown or 'nothing'})"
+        host = f"; host {format_bytes(self.offloaded)} offloaded" if self.offloaded else ""
+        return f"device {self.worker} (stages {where}): {format_bytes(self.total)} ({shown or 'nothing'}){host}"
 
 
-PARTS: tuple[str, ...] = tuple(f.name for f in fields(DeviceMemory))[2:]  # every field after worker, stages
-
-
-def optimizer_factor(optimizer: OptimizerSpec) -> float:
-    """Bytes of optimizer state per byte of the parameters it steps.
-
-    Args:
-        optimizer: ``None`` or ``"none"`` (0), ``"sgd"`` (0, no momentum), ``"momentum"`` (1),
-            ``"adam"`` or ``"adamw"`` (2: two moments in the parameters' dtype); a number (that
-            factor, for an optimizer of your own); or a ``torch.optim.Optimizer``: Adam and
-            AdamW 2 (3 with ``amsgrad``), SGD 1 with momentum else 0, any other the state it
-            already holds per byte of the parameters that have state.
-
-    Raises:
-        ValueError: an unknown name, a negative or non-finite number, or an optimizer of another
-            kind that holds no state yet (run one step first, or pass the factor).
-    """
-    if optimizer is None:
-        return 0.0
-    if isinstance(optimizer, str):
-        key = optimizer.lower()
-        if key not in _FACTORS:
-            raise ValueError(
-                f"fastpipe: unknown optimizer {optimizer!r}; name one of {sorted(_FACTORS)}, pass its state "
-                "bytes per parameter byte as a number, or pass the torch.optim.Optimizer"
-            )
-        return _FACTORS[key]
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return _instance_factor(optimizer)
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < float("inf"):
-        raise ValueError(
-            f"fastpipe: an optimizer factor is a finite number >= 0 (state bytes per parameter byte), got {optimizer!r}"
-        )
-    return float(optimizer)
-
-
-def _instance_factor(optimizer: torch.optim.Optimizer) -> float:
-    def nbytes(p: torch.Tensor) -> int:
-        return p.numel() * p.element_size()
-
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
-        weighted = total = 0
-        for group in optimizer.param_groups:
-            if isinstance(optimizer, torch.optim.SGD):
-                factor = 1 if group.get("momentum", 0) else 0
-            else:
-                factor = 3 if group.get("amsgrad", False) else 2
-            size = sum(nbytes(p) for p in group["params"])
-            weighted, total = weighted + factor * size, total + size
-        return weighted / total if total else 0.0
-    held = [(p, s) for group in optimizer.param_groups for p in group["params"] if (s := optimizer.state.get(p))]
-    if not held:
-        raise ValueError(
-            f"fastpipe: {type(optimizer).__name__} holds no state yet, so its size is unknown; run one step "
-            "first, or pass optimizer=<state bytes per parameter byte> (e.g. 2.0 for two moments)"
-        )
-    state = sum(nbytes(t) for _, s in held for t in s.values() if isinstance(t, torch.Tensor))
-    return state / max(1, sum(nbytes(p) for p, _ in held))
+PARTS: tuple[str, ...] = tuple(f.name for f in fields(DeviceMemory))[2:-1]  # after worker, stages; not host
 
 
 def _checkpointed(mode: str, per_minibatch: int) -> Sequence[bool] | None:
@@ -241,6 +191,7 @@ def predict_memory(
     first_input: bool = False,
     weight_policy: str = "sync",
     receive_buffers: int | Sequence[int] = 0,
+    update_transient: int | Sequence[int] = 0,
 ) -> list[DeviceMemory]:
     """The predicted peak of every device (worker) of ``schedule`` over one step, by part.
 
@@ -262,6 +213,10 @@ def predict_memory(
         weight_policy: the consistency policy of an asynchronous ``fit``
             (``"sync"``, ``"stale"``, ``"stash"``, ``"predict"``); only a stream of mini-batches holds copies.
         receive_buffers: bytes a transport keeps between steps, per stage (or one for every stage).
+        update_transient: bytes a stage's update ``U`` holds while it runs above what it starts and
+            ends with (the optimizer step's temporaries,
+            :func:`fastpipe.asynchronous.update_temporaries`), per stage (or one for every stage);
+            seen only where a ``U`` takes time in ``times``.
 
     Raises:
         ValueError: a list of the wrong length or a value out of range, named.
@@ -272,15 +227,13 @@ def predict_memory(
         raise ValueError(f"fastpipe: {len(stages)} StageBytes for a schedule of {n} stages; give one per stage")
     if weight_policy not in _POLICIES:
         raise ValueError(f"fastpipe: weight_policy must be one of {_POLICIES}, got {weight_policy!r}")
-    buffers = [receive_buffers] * n if isinstance(receive_buffers, int) else list(receive_buffers)
-    if len(buffers) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in buffers):
-        raise ValueError(
-            f"fastpipe: receive_buffers must be bytes >= 0, one int or {n} of them; got {receive_buffers!r}"
-        )
+    buffers = _per_stage(receive_buffers, n, "receive_buffers")
+    updates = _per_stage(update_transient, n, "update_transient")
     factor = optimizer_factor(optimizer)
     per_minibatch = schedule.minibatch_size or schedule.num_microbatches
     recompute = _checkpointed(checkpoint, per_minibatch)
-    timed = simulate_times(schedule) if times is None else times
+    # Unit costs, and a U that takes time: what it holds while it runs must be seen before it frees it.
+    timed = simulate_times(schedule, update=1.0) if times is None else times
     unsplit = frozenset() if input_grad else frozenset(p for p in adjacent_pairs(schedule) if p[0] == 0)
     release = weight_release(schedule, wgrad_batch, unsplit)
     inputs = [st.input for st in stages]
@@ -303,17 +256,28 @@ def predict_memory(
             raise ScheduleError(f"times has no entry for {action}; simulate the schedule it came with") from None
 
     points: list[list[tuple[float, float, str]]] = [[] for _ in range(schedule.num_workers)]
-    first_grad: dict[int, float] = {}
+    host: list[list[tuple[float, float, str]]] = [[] for _ in range(schedule.num_workers)]
+    first_grad: dict[tuple[int, int], float] = {}  # per (stage, mini-batch): when its sums appear
+    updated: dict[tuple[int, int], float] = {}  # and when its U ends, which frees them
     writes = collections.Counter(release.values())  # the Ws that run deferred GEMMs, and for how many
     for action, (w, start, end) in timed.items():
         s, m = action.stage, action.microbatch
         st, add, held_in = stages[s], points[w].append, inputs[s]
         redo = recompute is not None and recompute[m % per_minibatch]
         kept = 0 if redo else st.activation
+        off = min(st.offloaded, kept) if (s, m) in schedule.prefetched else 0
         if action.kind == "F":
             add((start, held_in + kept + st.f_transient, "activations"))
-            add((end, -st.f_transient, "activations"))
+            add((end, -st.f_transient - off, "activations"))
             add((start, produced[s] + consumed[s], "skips"))
+            host[w].append((end, off, "offloaded"))
+        elif action.kind == "P":
+            add((start, off, "activations"))
+            host[w].append((end, -off, "offloaded"))
+        elif action.kind == "U":
+            add((start, updates[s], "optimizer"))
+            add((end, -updates[s], "optimizer"))
+            updated[(s, m)] = end
         elif action.kind in ("B", "BW"):
             split = (s, m) in release
             during = (st.b_transient if split else st.bw_transient) + (st.activation if redo else 0)
@@ -333,15 +297,19 @@ def predict_memory(
                 add((w_end, -consumed[s], "skips"))
         # A backward frees its saved tensors as it writes the sums, so they peak at one of its
         # ends; a W frees its records only when done, so its sums add to them from its start.
+        sums = (s, m // per_minibatch)
         if action.kind == "BW" or (action.kind == "B" and (s, m) in unsplit):
-            first_grad[s] = min(first_grad.get(s, end), end)
+            first_grad[sums] = min(first_grad.get(sums, end), end)
         elif action in writes:
-            first_grad[s] = min(first_grad.get(s, start), start)
+            first_grad[sums] = min(first_grad.get(sums, start), start)
             stacked = st.w_stacked * writes[action] if writes[action] > 1 else 0
             add((start, stacked, "w_records"))
             add((end, -stacked, "w_records"))
-    for stage, at in first_grad.items():
-        points[schedule.worker_of(stage)].append((at, float(stages[stage].trainable), "gradients"))
+    for (stage, minibatch), at in first_grad.items():
+        trainable, add = float(stages[stage].trainable), points[schedule.worker_of(stage)].append
+        add((at, trainable, "gradients"))
+        if (stage, minibatch) in updated:
+            add((updated[(stage, minibatch)], -trainable, "gradients"))
 
     copies = weight_versions(schedule)[weight_policy] if schedule.minibatch_size else [0] * n
     devices = []
@@ -354,16 +322,24 @@ def predict_memory(
                 stages=held,
                 parameters=sum(stages[s].parameters for s in held),
                 gradients=round(at_peak.get("gradients", 0.0)),
-                optimizer=round(factor * sum(stages[s].stepped for s in held)),
+                optimizer=round(factor * sum(stages[s].stepped for s in held) + at_peak.get("optimizer", 0.0)),
                 activations=round(at_peak.get("activations", 0.0)),
                 w_records=round(at_peak.get("w_records", 0.0)),
                 skips=round(at_peak.get("skips", 0.0)),
                 input_grads=round(at_peak.get("input_grads", 0.0)),
                 weight_versions=sum(copies[s] * stages[s].trainable for s in held),
                 receive_buffers=sum(buffers[s] for s in held),
+                offloaded=round(sweep_peak(host[w])[0]),
             )
         )
     return devices
+
+
+def _per_stage(value: int | Sequence[int], n: int, name: str) -> list[int]:
+    values = [value] * n if isinstance(value, int) else list(value)
+    if len(values) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in values):
+        raise ValueError(f"fastpipe: {name} must be bytes >= 0, one int or {n} of them; got {value!r}")
+    return values
 
 
 def require_fit(devices: Sequence[DeviceMemory], memory_limit: int) -> None:

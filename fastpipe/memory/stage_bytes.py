@@ -35,9 +35,11 @@ from fastpipe.memory.model import StageBytes
 from fastpipe.model.side_inputs import run_layers
 from fastpipe.model.skips import SkipStore, has_skips
 from fastpipe.model.ties import split_tied
+from fastpipe.runtime.selective import checkpointed, stage_early
 from fastpipe.runtime.split_backward import backward_inputs, backward_weights
 from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
+from fastpipe.step.recompute_policy import Recompute
 
 __all__ = ["measure_stages"]
 
@@ -104,10 +106,12 @@ def measure_stages(
     sample: Value,
     *,
     side_inputs: Mapping[str, Any] | None = None,
+    skips: Mapping[str, Tensor] | None = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     target: Any = None,
     fused_wgrad: bool = True,
     transients: bool = True,
+    recompute: Recompute | None = None,
 ) -> list[StageBytes]:
     """Each stage's :class:`~fastpipe.memory.model.StageBytes` for one micro-batch ``sample``.
 
@@ -117,6 +121,8 @@ def measure_stages(
             stage approximates that stage, less exactly where a graph is retained).
         sample: one micro-batch of input; its tensors require grad as the caller's would.
         side_inputs: keyword inputs of the layers that declare them, for this micro-batch.
+        skips: tensors stashed before ``module`` (by name) for its pops: a stage measured apart
+            from the stages before it.
         loss_fn: applied to the last stage's output and ``target``, as ``train_step``'s loss;
             None: the output's gradient is ones.
         target: this micro-batch's target for ``loss_fn``.
@@ -125,19 +131,26 @@ def measure_stages(
             (:attr:`~fastpipe.memory.model.StageBytes.f_transient`, ``b_transient``,
             ``bw_transient``) with :class:`~fastpipe.memory.accounting.PeakMeter` on the stage's
             device; False: 0. On CPU that builds the byte counter once (a C++ compiler).
+        recompute: a per-layer policy whose regions run recomputed, as the pipe runs them
+            (:mod:`fastpipe.runtime.selective`): they keep only their inputs, their recompute
+            counts in the backward's transient bytes, and ``B`` takes their parameters.
 
     Raises:
-        ValueError: ``balance`` does not cover ``module``.
+        ValueError: ``balance`` does not cover ``module``, or ``recompute`` does not fit it.
         fastpipe.memory._cpu_counter.CounterUnavailableError: ``transients`` on CPU where the
             counter cannot be built; pass ``transients=False``.
     """
     if sum(balance) != len(module) or any(b < 1 for b in balance):
         raise ValueError(f"fastpipe: balance {list(balance)} must be counts >= 1 summing to len(module)={len(module)}")
     stages, ties = split_tied(module, balance)
+    regions = recompute.regions(stages) if recompute is not None else [[] for _ in stages]
     copies = {id(t.copy()) for t in ties if t.is_parameter}
     side = dict(side_inputs or {})
     outside = _storages([*_tensors(side), *_tensors(target)])  # the caller's, alive before and after
-    run = _Run(value=replace_tensors(sample, [_received(t, t.requires_grad) for t in tensors_of(sample)]))
+    run = _Run(
+        value=replace_tensors(sample, [_received(t, t.requires_grad) for t in tensors_of(sample)]),
+        pending={name: _received(t, True) for name, t in (skips or {}).items()},
+    )
     if transients:  # the counter must see the forward's storages allocated to see them freed
         with PeakMeter(_device_of(run.value)):
             pass
@@ -145,7 +158,8 @@ def measure_stages(
     for s, stage in enumerate(stages):
         last = s == len(stages) - 1
         finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
-        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients)
+        _arrive(run, stage)
+        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients, regions[s])
         params = [p for p in stage.parameters() if p.requires_grad]
         measured.append(
             dataclasses.replace(
@@ -161,6 +175,15 @@ class _Run:
 
     value: Value
     pending: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _arrive(run: _Run, stage: nn.Module) -> None:
+    """Hand ``run`` to a stage on another device than the one before it, as the pipe would."""
+    device = next((t.device for t in [*stage.parameters(), *stage.buffers()]), None)
+    if device is None or device == _device_of(run.value):
+        return
+    run.value = replace_tensors(run.value, [_received(t.to(device), t.requires_grad) for t in tensors_of(run.value)])
+    run.pending = {name: _received(t.to(device), True) for name, t in run.pending.items()}
 
 
 def _device_of(value: Value) -> torch.device:
@@ -207,18 +230,19 @@ def _measure_stage(
     outside: dict[int, int],
     fused_wgrad: bool,
     transients: bool,
+    regions: Sequence[nn.Module],
 ) -> StageBytes:
     """One stage on ``run.value``: its bytes; ``run`` moves on to the next stage's input."""
     params = [p for p in stage.parameters() if p.requires_grad]
     linears = fusable_linears(stage, params) if fused_wgrad else []
-    early = [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1]
+    early = stage_early(params, [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1], regions)
     fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
     inputs = tensors_of(run.value)
     device = _device_of(run.value)
-    combined = _combined_transient(stage, run, side, finish, params, linears, device) if transients else 0
+    combined = _combined_transient(stage, run, side, finish, params, linears, regions, device) if transients else 0
     saved = _Saved(set(fixed))
     records = Deferred()
-    with accumulating_linears(linears, records), torch.enable_grad():
+    with accumulating_linears(linears, records), checkpointed(regions), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), _peak(device, transients) as forward:
             ran = _forward(stage, run, side, finish)
         seen = _storages(inputs)
@@ -262,6 +286,7 @@ def _combined_transient(
     finish: Callable[[Any], Tensor] | None,
     params: list[nn.Parameter],
     linears: list[nn.Linear],
+    regions: Sequence[nn.Module],
     device: torch.device,
 ) -> int:
     """:attr:`StageBytes.bw_transient`: a backward into ``.grad`` sums that exist, as every ``BW`` but a first runs.
@@ -274,7 +299,7 @@ def _combined_transient(
     try:
         for p in params:
             p.grad = None
-        with accumulating_linears(linears), torch.enable_grad():
+        with accumulating_linears(linears), checkpointed(regions), torch.enable_grad():
             for first in (True, False):
                 roots = _forward(stage, run, side, finish).roots()
                 grads = [torch.ones_like(t) for t in roots]

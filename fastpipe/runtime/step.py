@@ -38,8 +38,10 @@ from torch import Tensor
 from fastpipe.model.side_inputs import run_layers, side_inputs_on
 from fastpipe.rng.state import install as install_task_rng_state
 from fastpipe.rng.streams import TaskRNG, may_draw, task_seed
+from fastpipe.runtime.offload import StepOffload
 from fastpipe.runtime.param_hooks import hooks_set_aside
 from fastpipe.runtime.replay import Snapshot
+from fastpipe.runtime.selective import stage_regions
 from fastpipe.runtime.skip_flow import SkipFlow
 from fastpipe.runtime.split_backward import WeightWork, backward_inputs, backward_weights
 from fastpipe.runtime.stage import Stage
@@ -100,6 +102,7 @@ class StepState:
     deferred: dict[tuple[int, int], Deferred] = field(default_factory=dict)  # split pairs' Linear work, B to W
     unsplit: set[tuple[int, int]] = field(default_factory=set)  # split pairs run combined at B (see feed)
     carried: CarriedRecords | None = None  # deferred work handed from W to W (see wgrad)
+    offload: StepOffload = field(default_factory=StepOffload)  # what Fs offloaded, until their P (runtime.offload)
 
 
 class StepRunner:
@@ -136,7 +139,8 @@ class StepRunner:
         self.skip_flow = SkipFlow({s: st.skips for s, st in stages.items()}, transport)
 
     def handlers(self) -> dict[str, Callable[[Action], float]]:
-        return {"F": self.forward, "BW": self.backward, "B": self.backward_input, "W": self.backward_weight}
+        fetch = self.state.offload.prefetch  # P: copies back what an F offloaded
+        return {"F": self.forward, "BW": self.backward, "B": self.backward_input, "W": self.backward_weight, "P": fetch}
 
     def waits_on(self, action: Action) -> tuple[str, int, int] | None:
         """What ``action`` first receives from another worker: ``("act" | "grad", stage, mb)``.
@@ -182,7 +186,7 @@ class StepRunner:
             got = self.state.side
             side = side_inputs_on(got[m], stage.side_names, stage.device, self.state.side_copies) if got else {}
             skips = self.skip_flow.stores.get((s, m))
-            with self._linears(s, m) if fuse else contextlib.nullcontext():
+            with self._linears(s, m) if fuse else contextlib.nullcontext(), stage_regions(stage.module):
                 out = run_layers(stage.module, value, side, skips) if side or skips is not None else stage.module(value)
         except RuntimeError as exc:
             restated = in_place_on_input(exc, s)
@@ -229,7 +233,8 @@ class StepRunner:
         keep_graph = self.grad and not self.checkpoint(m)
         replayed = self.grad and not keep_graph  # recomputed in the backward
         snapshot = Snapshot(self.stages[s].module, inputs) if replayed else None
-        with self.state.caller.enter(grad_enabled=keep_graph), rng():
+        saving = self.state.offload.saving(self.stages[s], action, keep_graph, self.state.schedule)
+        with saving, self.state.caller.enter(grad_enabled=keep_graph), rng():
             out, skips_out = self.skip_flow.run(s, m, skips_in, lambda: self._run_module(s, m, inputs))
         if snapshot is not None:
             snapshot.seal(s, m)

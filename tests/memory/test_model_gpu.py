@@ -52,3 +52,12 @@ def test_the_gpu_stages_predicted_peak_is_within_5_percent_of_the_allocators(sch
     predicted = device.total - device.parameters
     print(f"{schedule}: allocator {meter.result.peak} B, predicted {predicted} B ({device})")
     assert predicted == pytest.approx(meter.result.peak, rel=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_memory_limit_measures_a_pipe_whose_stages_sit_on_two_devices() -> None:
+    # Stage 1 must receive stage 0's CPU output on the GPU while measured, as the pipe hands it on.
+    pipe = Pipe(model(), [2, 2], devices=["cpu", "cuda:0"], chunks=4, checkpoint="never", memory_limit="64GiB")
+    x, y = torch.randn(4 * ROWS, D), torch.randn(4 * ROWS, D)
+    pipe.train_step(x, y, ProductLoss())
+    assert len(pipe.memory_guard.last) == 2
