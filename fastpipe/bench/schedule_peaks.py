@@ -144,6 +144,7 @@ def predict_peaks(
 ) -> list[int]:
     """The memory model's bytes per rank above the parameters, for the run :func:`count_peaks` makes."""
     from fastpipe.memory.model import predict_memory
+    from fastpipe.memory.receive_buffers import buffered_stages
     from fastpipe.memory.stage_bytes import measure_stages
     from fastpipe.schedule.builders import build
 
@@ -151,7 +152,8 @@ def predict_peaks(
     x, y = torch.randn(rows, hidden), torch.randn(rows, hidden)
     stages = measure_stages(_model(2 * ranks, hidden), _balance(ranks, v), x, loss_fn=_ProductLoss(), target=y)
     built = build(schedule, ranks, chunks, **({"virtual_stages": 2} if v else {}))
-    devices = predict_memory(built, stages, checkpoint="never", wgrad_batch=wgrad_batch)
+    # The gloo transport's receive buffers exist before the counted step: a received input lives in one.
+    devices = predict_memory(built, buffered_stages(built, stages, "tags"), checkpoint="never", wgrad_batch=wgrad_batch)
     return [d.total - d.parameters for d in devices]
 
 

@@ -37,6 +37,7 @@ from fastpipe.balance._untouched import state_kept
 from fastpipe.errors import PipelineError
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
+from fastpipe.memory.receive_buffers import buffered_stages, receive_buffer_bytes
 from fastpipe.memory.sizes import parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.side_inputs import run_layers
@@ -111,9 +112,11 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
     measured = devices is None
     if devices is None:
         stages, skips, input_grad = _relay(pipe, step, loss_fn)
+        transport = "ordered" if runtime.ordered else "tags"
         devices = predict_memory(
             step.schedule,
-            stages,
+            buffered_stages(step.schedule, stages, transport),
+            receive_buffers=receive_buffer_bytes(step.schedule, stages, transport),
             checkpoint=mode,
             optimizer=guard.optimizer,
             skips=skips,
