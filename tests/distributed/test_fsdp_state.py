@@ -314,4 +314,7 @@ def test_a_replica_that_never_starts_the_step_fails_it_on_every_rank_within_the_
             continue
         assert kind == "PipelineError", f"rank {rank}: {kind} {message}"
         assert elapsed < 3.0 + 5.0, f"rank {rank}: {elapsed:.1f} s"
-    assert "FSDP all-gather" in ranks[0]["hung"][1], ranks[0]["hung"]
+    # Rank 0 either times out in its own all-gather with rank 1 or, when rank 3's wait for the step
+    # values expires first, fails with rank 3's diagnosis through the abort key: both name the hang.
+    message = ranks[0]["hung"][1]
+    assert "FSDP all-gather" in message or "did not deliver" in message, ranks[0]["hung"]
