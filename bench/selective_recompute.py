@@ -1,6 +1,6 @@
 """What recompute costs on a HF GPT-2 step: ``checkpoint=`` never, except_last, "mlp", "attention", and "auto".
 
-The model of issue 30's figures: GPT-2 with 8 layers, d=256, a 4096-token vocabulary, a
+The model: GPT-2 with 8 layers, d=256, a 4096-token vocabulary, a
 mini-batch of 16 x 128 tokens in 4 micro-batches, 2 CPU stages (one thread each), 1F1B,
 ``train_step(ids, ids, causal_lm_loss)``. ``"auto"`` runs under a ``memory_limit`` that every
 candidate fits, so it should run as ``"never"`` does.
