@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -50,16 +50,34 @@ class _Saved:
     def __init__(self, skip: set[int]) -> None:
         self.skip = skip  # parameter storages
         self.alive: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
+        self.holders: list[_Holder] = []
 
     def pack(self, t: Tensor) -> Any:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.skip:
             return t
-        return _Holder(t, self)
+        holder = _Holder(t, self)
+        self.holders.append(holder)
+        return holder
+
+    def release(self) -> None:
+        """Let go of every tensor held, once nothing will unpack them.
+
+        A tensor that its own graph node saves (an output kept for the backward) and a holder
+        form a cycle through autograd's C++ graph that Python's collector cannot see; a graph
+        part no backward consumed (an integer input's path) would keep it, and its saved
+        tensors, alive for good.
+        """
+        for holder in self.holders:
+            holder.tensor = None
+        self.holders.clear()
 
     @staticmethod
     def unpack(held: Any) -> Tensor:
-        return held.tensor if isinstance(held, _Holder) else held
+        if isinstance(held, _Holder):
+            assert held.tensor is not None, "a measured graph is unpacked after its measure ended"
+            return held.tensor
+        return cast(Tensor, held)
 
     def alive_bytes(self) -> dict[int, int]:
         return {ptr: entry[0] for ptr, entry in self.alive.items()}
@@ -69,7 +87,8 @@ class _Holder:
     __slots__ = ("tensor", "ptr", "owner")
 
     def __init__(self, tensor: Tensor, owner: _Saved) -> None:
-        self.tensor, self.owner = tensor, owner
+        self.tensor: Tensor | None = tensor
+        self.owner = owner
         storage = tensor.untyped_storage()
         self.ptr = storage.data_ptr()
         entry = owner.alive.setdefault(self.ptr, [storage.nbytes(), 0])
@@ -269,6 +288,7 @@ def _measure_stage(
         w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
     )
     backward_weights(work, [None] * len(params))
+    saved.release()
     run.pending = {n: t if n in run.pending else _received(t, True) for n, t in ran.left.items()}
     run.value = replace_tensors(ran.out, [_received(t, t.requires_grad) for t in tensors_of(ran.out)])
     return result
