@@ -31,8 +31,10 @@ is a gloo process with one thread whose CPU bytes, counted exactly, are its devi
 GPUs than ranks (NCCL refuses two ranks on one GPU) the ranks run on CPU on a GPU host too, and
 the notes say so.
 
-``predicted`` comes from :func:`predict`, a hook for the memory model: each rank's predicted peak
-for a :class:`Config`, or None (printed ``n/a``).
+``predicted`` is, for fastpipe, each rank's peak as ``DistributedPipe(memory_limit=)``'s memory
+model predicts it at the step's start (:mod:`fastpipe.distributed.memory_limit`, under a limit no
+step reaches); for the other systems it comes from :func:`predict`, a hook that answers None
+(printed ``n/a``): no model of their memory is built.
 """
 
 from __future__ import annotations
@@ -258,7 +260,9 @@ class _Runner:
             shape = self.shape(dim, n)
             balance = stage_layers(shape["layers"], world * system.stages_per_rank)
             row.update(largest=n, peaks=best["peaks"], step_s=best["seconds"])
-            row["predicted"] = self.predict(Config(system, shape, world, balance, self.preset["budget"]))
+            # A fastpipe rank predicts its own peak (``memory_limit``'s model); the hook answers for the others.
+            own = best.get("predicted")
+            row["predicted"] = own or self.predict(Config(system, shape, world, balance, self.preset["budget"]))
         return row
 
     def peer(self, system: System, dim: str, start: int) -> dict[str, Any]:

@@ -155,7 +155,13 @@ def _sequential(indices: range, shape: dict[str, Any], per_block: bool) -> nn.Se
     return nn.Sequential(*[build_layer(i, shape, per_block) for i in indices])
 
 
+_NO_LIMIT = 1 << 60
 Step = Callable[[], None]
+Built = tuple[Step, Step, Callable[[], int | None]]  # the step, its close, this rank's predicted peak
+
+
+def _unpredicted() -> int | None:
+    return None
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -163,7 +169,7 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4, foreach=False)
 
 
-def _plain(system: dict[str, Any], shape: dict[str, Any]) -> tuple[Step, Step]:
+def _plain(system: dict[str, Any], shape: dict[str, Any]) -> Built:
     model = _sequential(range(layer_count(shape["layers"])), shape, system["checkpoint"] == "blocks")
     opt = _adam(model.parameters())
     ids, target = _batch(shape)
@@ -174,14 +180,14 @@ def _plain(system: dict[str, Any], shape: dict[str, Any]) -> tuple[Step, Step]:
         loss(model(ids), target).backward()
         opt.step()
 
-    return step, lambda: None
+    return step, lambda: None, _unpredicted
 
 
 def _v_stages(rank: int, world: int) -> tuple[int, int]:
     return rank, 2 * world - 1 - rank
 
 
-def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> Built:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
     v = system["schedule"] == "ZBVZeroBubble"
@@ -212,10 +218,10 @@ def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world:
             sched.step()
         opt.step()
 
-    return step, lambda: None
+    return step, lambda: None, _unpredicted
 
 
-def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> Built:
     from fastpipe.distributed_pipe import DistributedPipe
 
     v = system["schedule"] in ("zb-v", "dualpipev")
@@ -226,8 +232,15 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
     def builder(s: int) -> nn.Sequential:
         return _sequential(range(sum(balance[:s]), sum(balance[: s + 1])), shape, per_block)
 
+    # A limit no step reaches: the pipe predicts every device's peak at its first step and refuses nothing.
     pipe = DistributedPipe.from_stage_builder(
-        builder, balance, chunks=shape["chunks"], schedule=system["schedule"], checkpoint=mode, device="cpu"
+        builder,
+        balance,
+        chunks=shape["chunks"],
+        schedule=system["schedule"],
+        checkpoint=mode,
+        device="cpu",
+        memory_limit=_NO_LIMIT,
     )
     opt = _adam(pipe.parameters())
     ids, target = _batch(shape)
@@ -238,10 +251,15 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
         pipe.train_step(ids if pipe.is_first else None, target if pipe.is_last else None, loss)
         opt.step()
 
-    return step, pipe.close
+    def predicted() -> int | None:
+        guard = pipe.memory_guard
+        mine = [d.total for d in (guard.last if guard is not None else []) if d.worker == pipe.runtime.rank]
+        return mine[0] if mine else None
+
+    return step, pipe.close, predicted
 
 
-def _build(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> tuple[Step, Step]:
+def _build(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> Built:
     if system["kind"] == "plain":
         return _plain(system, shape)
     if system["kind"] == "pipelining":
@@ -279,9 +297,10 @@ def measure(job: dict[str, Any], system: dict[str, Any], n: int, rank: int, worl
     gc.collect()
     base = _cpu_counter.allocated()
     budget = job["budget"]
-    step, close = _build(system, shape_at(job, n), rank, world)
+    step, close, predicted = _build(system, shape_at(job, n), rank, world)
     peaks = [0] * world
     seconds = None
+    forecast: list[int] | None = None
     try:
         for i in range(2):
             _barrier(world)
@@ -296,11 +315,13 @@ def measure(job: dict[str, Any], system: dict[str, Any], n: int, rank: int, worl
                 break
             if i == 1:
                 seconds = _gathered(took, world)[0]  # rank 0's clock, between the same barriers
+        mine = predicted()  # the first step predicted it
+        forecast = [int(p) for p in _gathered(-1.0 if mine is None else float(mine), world)]
     finally:
         close()
         del step, close
         gc.collect()
-    return Point(n, peaks, seconds)
+    return Point(n, peaks, seconds, None if forecast is None or min(forecast) < 0 else forecast)
 
 
 def _write(out: str, record: dict[str, Any]) -> None:

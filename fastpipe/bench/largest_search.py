@@ -20,11 +20,13 @@ class Point:
         n: the size (blocks, or width in units).
         peaks: each rank's peak bytes in the step.
         seconds: the step's time; None where it was not timed (the first step already ran over).
+        predicted: each rank's peak as the memory model predicts it; None where no model runs.
     """
 
     n: int
     peaks: list[int]
     seconds: float | None
+    predicted: list[int] | None = None
 
     def fits(self, budget: int) -> bool:
         """Whether every rank's peak is within ``budget`` bytes."""
@@ -32,7 +34,8 @@ class Point:
 
     def to_dict(self, budget: int) -> dict[str, object]:
         """A JSON-serialisable copy, with whether it fits ``budget``."""
-        return {"n": self.n, "peaks": list(self.peaks), "seconds": self.seconds, "fits": self.fits(budget)}
+        out: dict[str, object] = {"n": self.n, "peaks": list(self.peaks), "seconds": self.seconds}
+        return dict(out, predicted=self.predicted, fits=self.fits(budget))
 
 
 @dataclass(frozen=True)

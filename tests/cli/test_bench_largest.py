@@ -96,7 +96,7 @@ def test_tiny_run_on_two_ranks_reports_the_edge_of_the_budget(tmp_path: Path) ->
 
     def predict(config: Config) -> list[int] | None:
         asked.append(config)
-        return [config.budget // 2] * config.ranks if config.system.kind == "fastpipe" else None
+        return [config.budget // 2] * config.ranks if config.system.kind == "pipelining" else None
 
     result = run_largest("tiny", predict=predict)
     budget = result["budget_bytes"]
@@ -113,8 +113,13 @@ def test_tiny_run_on_two_ranks_reports_the_edge_of_the_budget(tmp_path: Path) ->
     assert rows["pipelining 1F1B"]["largest"] > rows["plain PyTorch, 1 device"]["largest"]
     ours = rows["fastpipe 1f1b"]
     assert ours["system"].startswith("fastpipe 1f1b (best of 2: ")
-    assert ours["predicted"] == [budget // 2] * 2
-    config = next(c for c in asked if c.system.kind == "fastpipe")
+    # fastpipe's ranks predict their own peaks with memory_limit's model; the hook is not asked for them.
+    assert not [c for c in asked if c.system.kind == "fastpipe"]
+    assert len(ours["predicted"]) == 2
+    for predicted, measured in zip(ours["predicted"], ours["peaks"]):
+        assert abs(predicted - measured) <= 0.05 * measured, (ours["predicted"], ours["peaks"])
+    assert rows["pipelining 1F1B"]["predicted"] == [budget // 2] * 2
+    config = next(c for c in asked if c.system.kind == "pipelining")
     assert sum(config.balance) == config.shape["layers"] + 2  # the embedding and the head are layers
     assert len(config.balance) == config.ranks * config.system.stages_per_rank
     text = largest_markdown(result)
