@@ -8,6 +8,13 @@ writes that rank's parameters, buffers and optimizer state, keyed by the Sequent
 The keys inside DCP are :mod:`fastpipe.checkpoint.shards`'s; a tensor that several layers share
 (a tied embedding) is saved once, by its owner.
 
+Stages sharded over their replicas (``dp_shard="fsdp"``) hold ``DTensor`` shards of their
+parameters and of the optimizer state (Adam's moments). Each rank writes its own rows, which
+DCP's index places in the global tensor, so nothing is gathered; an entry the replicas hold
+alike (a whole tensor of ``dp_shard="replicate"``, Adam's ``step``) is written by one of them.
+A load reads into the layout of ``into``: shards read only their rows, whole tensors the whole,
+so a checkpoint loads into any number of pipeline ranks and replicas, sharded or not.
+
 After the shards, rank 0 writes the commit record (:mod:`fastpipe.checkpoint.commit`) once every
 rank has checksummed its files: the step, the settings, the caller's ``state`` and every rank's
 RNG state. ``async_save`` costs the caller only the copy of its tensors to host memory; writing,
@@ -87,7 +94,8 @@ def checkpoint_group(module: nn.Module, process_group: Any, timeout: float) -> A
     if process_group is not None:
         ranks = tuple(dist.get_process_group_ranks(process_group))
     elif isinstance(module, DistributedPipe):
-        # With data parallelism every replica takes part; DCP writes a replicated key once.
+        # With data parallelism every replica takes part: DCP writes an entry the replicas hold
+        # alike once, and each shard of dp_shard="fsdp" by its rank.
         group = module.group if module.dp_group is None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(group))
     else:

@@ -134,14 +134,30 @@ def optimizer_slots(module: nn.Module, optimizer: torch.optim.Optimizer, metadat
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    params = dict(module.named_parameters())
     slots: dict[str, Any] = {}
     for name, saved_as in owned_params(module, optimizer).items():
         for prefix in (f"optim.state.{saved_as}.", f"optim.param_groups.{saved_as}."):
             for key in (k for k in metadata if k.startswith(prefix)):
                 entry = metadata[key]
                 tensor = isinstance(entry, TensorStorageMetadata)
-                slots[key] = (name, torch.empty(entry.size, dtype=entry.properties.dtype) if tensor else None)
+                slots[key] = (name, _slot(params[name], entry.size, entry.properties.dtype) if tensor else None)
     return slots
+
+
+def _slot(param: Tensor, size: torch.Size, dtype: torch.dtype) -> Tensor:
+    """An empty tensor that DCP reads a state entry of ``param`` into.
+
+    The entry of a sharded parameter (a DTensor of the global shape, such as Adam's moments) is
+    read as a DTensor laid out as the parameter: DCP then reads only this rank's rows, whatever
+    layout saved them, and the optimizer gets state that matches its parameter. Any other entry
+    (``step``, a replicated parameter's) is read whole.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and tuple(size) == tuple(param.shape):
+        return torch.empty_like(param, dtype=dtype)
+    return torch.empty(size, dtype=dtype)
 
 
 def rng_state() -> dict[str, Any]:
