@@ -9,7 +9,9 @@ device: fastpipe ``DistributedPipe`` vs ``torch.distributed.pipelining``, NCCL o
 rounds), ``copy`` (copy/compute overlap of ``fastpipe._C``), ``kernels`` (fused kernels vs eager)
 and ``memory`` (the largest GPT that plain PyTorch, ``torch.distributed.pipelining`` and fastpipe
 train within one per-device budget on 4 ranks, :mod:`fastpipe.bench.largest`; and, as a section,
-the largest model one device trains: plain, recompute, recompute + fused).
+the largest model one device trains: plain, recompute, recompute + fused) and ``fsdp`` (4 ranks,
+2 stages x 2 replicas: replicated stages, ``dp_shard="fsdp"`` and ``torch.distributed.pipelining``
+over FSDP2, :mod:`fastpipe.bench.fsdp`).
 
 Each part has a time budget: it stops adding rounds when its budget is spent, and spawned
 ranks are stopped past it. ``--quick`` budgets the suite for under 8 minutes on one H200.
@@ -44,6 +46,7 @@ PARTS: dict[str, tuple[float, float]] = {
     "copy": (30.0, 120.0),
     "kernels": (120.0, 600.0),
     "memory": (150.0, 720.0),
+    "fsdp": (90.0, 300.0),
 }
 
 
@@ -180,6 +183,13 @@ def _memory(args: argparse.Namespace, deadline: float, out: str) -> dict[str, An
     return result
 
 
+def _fsdp(args: argparse.Namespace, deadline: float, out: str) -> dict[str, Any]:
+    from fastpipe.bench.fsdp import run_fsdp
+
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    return run_fsdp(max(deadline - time.monotonic(), 10.0), size)
+
+
 _RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] = {
     "e2e": _e2e,
     "schedules": _schedules,
@@ -188,6 +198,7 @@ _RUNNERS: dict[str, Callable[[argparse.Namespace, float, str], dict[str, Any]]] 
     "copy": _copy,
     "kernels": _kernels,
     "memory": _memory,
+    "fsdp": _fsdp,
 }
 
 
@@ -227,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report: dict[str, Any] = {"host": _host(), "quick": args.quick, "tiny": args.tiny, "parts": {}}
-    if args.tiny and {"distributed", "zero-bubble", "memory"} & set(names):
+    if args.tiny and {"distributed", "zero-bubble", "memory", "fsdp"} & set(names):
         # Its imports (seconds) then overlap the in-process parts; at --tiny no timing is meant to hold.
         from fastpipe.bench.ranks import warm_fork_server
 

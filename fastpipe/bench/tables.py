@@ -132,6 +132,11 @@ def _zero_bubble(res: dict[str, Any]) -> str:
     )
 
 
+def _prewritten(res: dict[str, Any]) -> str:
+    """A part that writes its own tables (:mod:`fastpipe.bench.fsdp`)."""
+    return str(res["markdown"])
+
+
 _FORMATS = {
     "e2e": _e2e,
     "distributed": _e2e,
@@ -140,6 +145,7 @@ _FORMATS = {
     "copy": _copy,
     "kernels": _kernels,
     "zero-bubble": _zero_bubble,
+    "fsdp": _prewritten,
 }
 
 
