@@ -152,7 +152,7 @@ def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
     pipe: Any = run.pipe
     runtime = pipe.runtime
     step: Any = SimpleNamespace(microbatches=window.inputs or None, side=window.side, targets=window.targets)
-    stages, skips, _ = _relay(pipe, step, run.loss_fn)
+    stages, skips, *_ = _relay(pipe, step, run.loss_fn)
 
     def shared(value: int, stage: int, what: str) -> int:
         return int(runtime.broadcast(torch.tensor([value], dtype=torch.int64), runtime.placement[stage], what).item())

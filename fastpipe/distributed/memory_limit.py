@@ -17,6 +17,11 @@ with no further message to agree on. An error while measuring travels in the own
 in place of its figures, and every rank raises. Data-parallel replicas then take the
 worst verdict of all (a max over every rank), so one replica's refusal stops the others too.
 
+Stages sharded over their replicas (``dp_shard="fsdp"``) are measured whole, on full-size
+stand-ins for their shards, and their owner sends their shards' bytes too
+(:class:`~fastpipe.memory.sharded.ShardBytes`), so that the model counts what a rank keeps as
+1/D and what a step gathers and reduces at its time.
+
 The check runs at the first step of each schedule, checkpoint mode and micro-batch shape; stage
 0's rank shares a digest of the shape every step (one broadcast of 8 bytes). Every wait is bounded
 by the pipeline's first-step timeout, as a cold first step is.
@@ -24,20 +29,26 @@ by the pipeline's first-step timeout, as a cold first step is.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from fastpipe.balance._untouched import state_kept
+from fastpipe.distributed.fsdp_step import StageShards
 from fastpipe.errors import PipelineError
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.receive_buffers import buffered_stages, receive_buffer_bytes
+from fastpipe.memory.sharded import ShardBytes, shard_bytes
 from fastpipe.memory.sizes import parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.side_inputs import run_layers
@@ -61,7 +72,9 @@ class RankMemoryGuard:
         limit: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
         optimizer: the optimizer whose state to count (Adam's two moments by default, see
             :func:`~fastpipe.memory.model.optimizer_factor`).
-        dp_shard: the pipe's ``dp_shard``.
+        dp_shard: the pipe's ``dp_shard``: with ``"fsdp"`` each device's parameters, gradient
+            shards and optimizer state count as its 1/D shards, besides the step's gathered working
+            set (:mod:`fastpipe.memory.sharded`).
 
     Attributes:
         limit: the budget in bytes.
@@ -69,20 +82,14 @@ class RankMemoryGuard:
         last: every device's prediction for the last step checked.
 
     Raises:
-        ValueError: a limit that is not a size; ``dp_shard="fsdp"``, whose sharded stages the
-            memory model does not predict (measuring one would run FSDP's collectives on one
-            replica's ranks).
+        ValueError: a limit that is not a size.
     """
 
     def __init__(
         self, limit: int | float | str, optimizer: OptimizerSpec = "adam", *, dp_shard: str = "replicate"
     ) -> None:
-        if dp_shard == "fsdp":
-            raise ValueError(
-                "fastpipe: memory_limit is not predicted for stages sharded with dp_shard='fsdp'; drop memory_limit "
-                "(DistributedPipe.state_bytes(opt) reports a rank's sharded state), or use dp_shard='replicate'"
-            )
         self.limit = parse_bytes(limit)
+        self.dp_shard = dp_shard
         self.optimizer = optimizer
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         self.last: list[DeviceMemory] = []
@@ -111,7 +118,7 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
     devices = guard.predicted.get(key)
     measured = devices is None
     if devices is None:
-        stages, skips, input_grad = _relay(pipe, step, loss_fn)
+        stages, skips, input_grad, sharded = _relay(pipe, step, loss_fn)
         transport = "ordered" if runtime.ordered else "tags"
         devices = predict_memory(
             step.schedule,
@@ -122,6 +129,7 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
             skips=skips,
             wgrad_batch=wgrad_batch,
             input_grad=input_grad,
+            sharded=sharded,
         )
         guard.predicted[key] = devices
     guard.last = devices
@@ -134,7 +142,18 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
                 "raised the details); the step did not run here either"
             )
     if over is not None:
-        raise ValueError(refusal(over, guard.limit))
+        raise ValueError(refusal(over, guard.limit) + _sharded_note(runtime))
+
+
+def _sharded_note(runtime: DistributedRuntime) -> str:
+    """What the parts of a refusal mean where the stages are sharded over their replicas."""
+    if not isinstance(runtime.replicas, StageShards):
+        return ""
+    return (
+        f" (dp_shard='fsdp' over {runtime.replicas.size} replicas: parameters and optimizer are this rank's "
+        "shards; gathered is the step's all-gathered parameters, gradients its full-size sums, reduce_scatter "
+        "their reduction's buffers)"
+    )
 
 
 @dataclass
@@ -146,18 +165,21 @@ class _Measured:
     left: dict[str, Tensor] = field(default_factory=dict)
     input_grad: bool = False
     error: str = ""
+    sharded: ShardBytes | None = None
 
 
 def _relay(
     pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]
-) -> tuple[list[StageBytes], list[tuple[int, int, float]], bool]:
-    """Every stage's bytes, the skips between stages ``(producer, consumer, bytes)``, and whether
-    stage 0's input needs a gradient; the same on every rank (see the module docstring)."""
+) -> tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[ShardBytes] | None]:
+    """Every stage's bytes, the skips between stages ``(producer, consumer, bytes)``, whether
+    stage 0's input needs a gradient, and each stage's shards where the stages are sharded; the
+    same on every rank (see the module docstring)."""
     runtime = pipe.runtime
     value: Any = None
     pending: dict[str, Tensor] = {}
     stashed: dict[str, tuple[int, int]] = {}  # name -> (producer stage, bytes)
     found: list[StageBytes] = []
+    shards: list[ShardBytes] = []
     edges: list[tuple[int, int, float]] = []
     input_grad = False
     bound = runtime.watchdog.timeout
@@ -173,6 +195,8 @@ def _relay(
                 raise PipelineError(f"fastpipe: rank {runtime.global_rank_of(owner)} (stage {s}): {got.error}")
             assert got.stage_bytes is not None
             found.append(got.stage_bytes)
+            if got.sharded is not None:
+                shards.append(got.sharded)
             input_grad = input_grad or (s == 0 and got.input_grad)
             for name in pending.keys() - got.left.keys():
                 producer, nbytes = stashed.pop(name)
@@ -183,7 +207,7 @@ def _relay(
             value, pending = got.output, got.left
     finally:
         runtime.watchdog.timeout = bound
-    return found, edges, input_grad
+    return found, edges, input_grad, shards if len(shards) == len(found) else None
 
 
 def _measure(
@@ -207,7 +231,12 @@ def _measure(
         pending = {n: t.to(stage.device) for n, t in skips.items()}
         side = step.side[0] if step.side else {}
         last = s == len(pipe.balance) - 1
-        with state_kept(module, None):  # measuring must not move the step's generators or statistics
+        replicas = pipe.runtime.replicas
+        sharded = None
+        if isinstance(replicas, StageShards):  # gloo's reduce-scatter copies its input
+            copies = 2 if dist.get_backend(replicas.group) == "gloo" else 1
+            sharded = shard_bytes(module, replicas.size, scatter_copies=copies)
+        with state_kept(module, None), _whole(module):  # not moving the step's generators or statistics
             (stage_bytes,) = measure_stages(
                 module,
                 [len(module)],
@@ -227,9 +256,49 @@ def _measure(
             None if last else replace_tensors(out, [t.detach().cpu() for t in tensors_of(out)]),
             {n: t.detach().cpu() for n, t in left.items()},
             any(t.requires_grad for t in tensors_of(sample)),
+            sharded=sharded,
         )
     except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise
         return _Measured(None, error=f"measuring stage {s} for memory_limit raised {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _whole(module: nn.Module) -> Iterator[None]:
+    """``module`` with plain full-size parameters in place of its FSDP2 shards, FSDP2's forward hooks aside.
+
+    What a stage holds depends on its parameters' shapes, not their values, so zeros stand in
+    for the gathered values: measuring runs no collective, and a replica that fails to measure
+    leaves no other waiting. Nothing changes for a stage that is not sharded.
+    """
+    made: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    hooks: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    try:
+        for m in module.modules():
+            for key, p in list(m._parameters.items()):
+                if isinstance(p, DTensor):
+                    local = p.to_local()
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(
+                            torch.zeros(p.shape, dtype=p.dtype, device=local.device), p.requires_grad
+                        )
+                    swapped.append((m, key, p))
+                    m._parameters[key] = made[id(p)]
+            if isinstance(m, FSDPModule):
+                state = fully_shard.state(m)  # type: ignore[attr-defined]
+                for table in (m._forward_pre_hooks, m._forward_hooks):
+                    saved = dict(table)
+                    hooks.append((table, saved))
+                    for k, hook in saved.items():
+                        if getattr(hook, "__self__", None) is state:
+                            del table[k]
+        yield
+    finally:
+        for m, key, p in swapped:
+            m._parameters[key] = p
+        for table, saved in hooks:
+            table.clear()
+            table.update(saved)
 
 
 def _arrived(value: Any, device: torch.device) -> Value:

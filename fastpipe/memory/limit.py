@@ -26,9 +26,17 @@ from fastpipe.schedule.ir import Schedule
 from fastpipe.step.recompute_policy import Recompute
 
 if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, so 3.10 runs this module too
+
     from fastpipe.memory.offload_bytes import OffloadBytes
 
-__all__ = ["MARGIN", "MemoryGuard", "over_limit", "refusal"]
+__all__ = ["MARGIN", "GuardedStep", "MemoryGuard", "over_limit", "refusal", "sample_key"]
+
+#: A step as :meth:`MemoryGuard.predict` takes it: layers, balance, schedule, checkpoint, wgrad_batch,
+#: sample, target, loss_fn.
+GuardedStep = tuple[
+    Sequence[nn.Module], Sequence[int], Schedule, str | Recompute, int, Any, Any, Callable[[Any, Any], Tensor]
+]
 
 #: The share of a prediction kept free for the model's error (it is within 5% of counted bytes).
 MARGIN = 0.05
@@ -65,8 +73,26 @@ class MemoryGuard:
         target: Any,
         loss_fn: Callable[[Any, Any], Tensor],
     ) -> list[DeviceMemory]:
-        """The devices' predicted peaks for a step (as :meth:`check` takes it), measured once per key."""
-        key = (schedule, checkpoint, wgrad_batch, _shape(sample), None if self.offload is None else self.offload.key)
+        """The devices' predicted peaks for a step, measured once per key.
+
+        Args:
+            layers: the pipe's layers in order.
+            balance: layers per stage.
+            schedule: the step's schedule.
+            checkpoint: the pipe's checkpoint mode, or a per-layer policy (the stages are then
+                measured with its regions recomputed).
+            wgrad_batch: micro-batches per batched W.
+            sample: one micro-batch of input.
+            target: its target.
+            loss_fn: the step's loss.
+        """
+        key = (
+            schedule,
+            checkpoint,
+            wgrad_batch,
+            sample_key(sample),
+            None if self.offload is None else self.offload.key,
+        )
         devices = self.predicted.get(key)
         if devices is None:
             policy = checkpoint if isinstance(checkpoint, Recompute) else None
@@ -90,33 +116,15 @@ class MemoryGuard:
             self.predicted[key] = devices
         return devices
 
-    def check(
-        self,
-        layers: Sequence[nn.Module],
-        balance: Sequence[int],
-        schedule: Schedule,
-        checkpoint: str | Recompute,
-        wgrad_batch: int,
-        sample: Any,
-        target: Any,
-        loss_fn: Callable[[Any, Any], Tensor],
-    ) -> list[DeviceMemory]:
-        """The devices' predicted peaks for this step; ``ValueError`` if one exceeds the limit.
+    def check(self, *step: Unpack[GuardedStep]) -> list[DeviceMemory]:
+        """The devices' predicted peaks for this step (:meth:`predict`'s); ``ValueError`` if one exceeds the limit.
 
         Args:
-            layers: the pipe's layers in order.
-            balance: layers per stage.
-            schedule: the step's schedule.
-            checkpoint: the pipe's checkpoint mode, or a per-layer policy (the stages are then
-                measured with its regions recomputed).
-            wgrad_batch: micro-batches per batched W.
-            sample: one micro-batch of input.
-            target: its target.
-            loss_fn: the step's loss.
+            step: the step, as :meth:`predict` takes it.
         """
-        devices = self.predict(layers, balance, schedule, checkpoint, wgrad_batch, sample, target, loss_fn)
+        devices = self.predict(*step)
         self.last = devices
-        self.checkpoint = checkpoint
+        self.checkpoint = step[3]
         over = over_limit(devices, self.limit)
         if over is not None:
             raise ValueError(refusal(over, self.limit))
@@ -140,9 +148,10 @@ def refusal(device: DeviceMemory, limit: int) -> str:
     )
 
 
-def _shape(value: Any) -> Any:
+def sample_key(value: Any) -> Any:
+    """What a measurement of one micro-batch depends on: its tensors' shapes, dtypes and devices, nested as given."""
     if isinstance(value, Tensor):
         return (tuple(value.shape), value.dtype, value.device)
     if isinstance(value, (tuple, list)):
-        return tuple(_shape(v) for v in value)
+        return tuple(sample_key(v) for v in value)
     return type(value).__name__

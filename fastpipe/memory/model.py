@@ -38,7 +38,13 @@ input_grads      the gradient of the pipe's input (``input_grad``), kept for the
 weight_versions  asynchronous ``fit``: the most weight copies a policy holds at once
                  (:func:`fastpipe.schedule.multistep.weight_versions`) times the trainable bytes
 receive_buffers  bytes a transport keeps between steps, as given
+gathered         stages sharded over their replicas (``sharded``): every unit's parameters
+                 all-gathered from the step's start to the stage's last ``BW`` or ``W``
+reduce_scatter   and then the reduce-scatter's input and output buffers, to the step's end
 ===============  ==============================================================================
+
+With ``sharded`` (:mod:`fastpipe.memory.sharded`), ``parameters`` and ``optimizer`` count each
+rank's shards (1/D, padded); the gradient sums stay full size, as the step keeps them.
 
 Offload (:mod:`fastpipe.runtime.offload`) takes ``offloaded`` bytes of the activation of each
 micro-batch that the schedule prefetches (a ``P``) off the device, from the end of its ``F`` to the
@@ -54,10 +60,13 @@ holds their stacked copy (``w_stacked`` per micro-batch) while it runs.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from fastpipe.memory.backward_points import first_backwards, sent_gradient
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
+from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.schedule.fuse import adjacent_pairs
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
@@ -96,6 +105,7 @@ class StageBytes:
         w_stacked: the largest one Linear's record of a micro-batch (its ``x`` and ``dy``): a
             ``W`` that runs several micro-batches' records stacks them, one Linear at a time.
         offloaded: what of ``activation`` a prefetched micro-batch's forward moves to host memory.
+        bw_first: what the ``BW`` that makes the sums holds as it ends above what it leaves.
     """
 
     parameters: int
@@ -110,6 +120,7 @@ class StageBytes:
     bw_transient: int = 0
     w_stacked: int = 0
     offloaded: int = 0
+    bw_first: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -150,6 +161,8 @@ class DeviceMemory:
     input_grads: int
     weight_versions: int
     receive_buffers: int
+    gathered: int = 0
+    reduce_scatter: int = 0
     offloaded: int = 0
 
     @property
@@ -192,6 +205,7 @@ def predict_memory(
     weight_policy: str = "sync",
     receive_buffers: int | Sequence[int] = 0,
     update_transient: int | Sequence[int] = 0,
+    sharded: Sequence[ShardBytes] | None = None,
 ) -> list[DeviceMemory]:
     """The predicted peak of every device (worker) of ``schedule`` over one step, by part.
 
@@ -217,6 +231,8 @@ def predict_memory(
             ends with (the optimizer step's temporaries,
             :func:`fastpipe.asynchronous.update_temporaries`), per stage (or one for every stage);
             seen only where a ``U`` takes time in ``times``.
+        sharded: per stage, its :class:`~fastpipe.memory.sharded.ShardBytes` where the stages are
+            sharded over their replicas (``dp_shard="fsdp"``); ``stages`` are then measured whole.
 
     Raises:
         ValueError: a list of the wrong length or a value out of range, named.
@@ -260,10 +276,13 @@ def predict_memory(
     first_grad: dict[tuple[int, int], float] = {}  # per (stage, mini-batch): when its sums appear
     updated: dict[tuple[int, int], float] = {}  # and when its U ends, which frees them
     writes = collections.Counter(release.values())  # the Ws that run deferred GEMMs, and for how many
+    makes_sums = first_backwards(timed, unsplit, per_minibatch)
     for action, (w, start, end) in timed.items():
         s, m = action.stage, action.microbatch
-        st, add, held_in = stages[s], points[w].append, inputs[s]
+        st, add = stages[s], points[w].append
         redo = recompute is not None and recompute[m % per_minibatch]
+        shared = s > 0 and not redo and schedule.worker_of(s - 1) == w  # its input: the output the stage before keeps
+        held_in = 0 if shared else inputs[s]
         kept = 0 if redo else st.activation
         off = min(st.offloaded, kept) if (s, m) in schedule.prefetched else 0
         if action.kind == "F":
@@ -280,13 +299,22 @@ def predict_memory(
             updated[(s, m)] = end
         elif action.kind in ("B", "BW"):
             split = (s, m) in release
-            during = (st.b_transient if split else st.bw_transient) + (st.activation if redo else 0)
+            if action in makes_sums:  # as it ends, the sums exist while its last gradient is in flight
+                end, tail_end = math.nextafter(end, -math.inf), end
+                points[w].extend([(end, st.bw_first, "activations"), (tail_end, -st.bw_first, "activations")])
+            in_flight = st.b_transient if split else st.bw_transient
+            during = max(in_flight, st.f_transient) + st.activation if redo else in_flight  # replay, then backward
             add((start, during, "activations"))
             add((end, -during, "activations"))
             add((end, -kept - (0 if split else held_in), "activations"))
             if s == 0 and input_grad:
                 add((end, st.input, "input_grads"))
             add((end, -produced[s] - (0 if split else consumed[s]), "skips"))
+            if s > 0 and schedule.worker_of(s - 1) == w:  # across devices, the receive buffer holds it
+                upstream, upstream_end = sent_gradient(timed, s, m)
+                points[upstream].extend([(end, st.input, "activations"), (upstream_end, -st.input, "activations")])
+                if shared and split and (freed := when(Action("W", s, m))[2]) > upstream_end:  # a later W keeps it
+                    points[w].extend([(upstream_end, st.input, "activations"), (freed, -st.input, "activations")])
             if split:
                 _, _, w_end = when(Action("W", s, m))
                 _, _, batch_end = when(release[(s, m)])
@@ -311,6 +339,9 @@ def predict_memory(
         if (stage, minibatch) in updated:
             add((updated[(stage, minibatch)], -trainable, "gradients"))
 
+    if sharded is not None:
+        points = [p + q for p, q in zip(points, shard_points(schedule, timed, sharded))]
+    held_bytes, stepped = kept_bytes(stages, sharded)
     copies = weight_versions(schedule)[weight_policy] if schedule.minibatch_size else [0] * n
     devices = []
     for w in range(schedule.num_workers):
@@ -320,15 +351,17 @@ def predict_memory(
             DeviceMemory(
                 worker=w,
                 stages=held,
-                parameters=sum(stages[s].parameters for s in held),
+                parameters=sum(held_bytes[s] for s in held),
                 gradients=round(at_peak.get("gradients", 0.0)),
-                optimizer=round(factor * sum(stages[s].stepped for s in held) + at_peak.get("optimizer", 0.0)),
+                optimizer=round(factor * sum(stepped[s] for s in held) + at_peak.get("optimizer", 0.0)),
                 activations=round(at_peak.get("activations", 0.0)),
                 w_records=round(at_peak.get("w_records", 0.0)),
                 skips=round(at_peak.get("skips", 0.0)),
                 input_grads=round(at_peak.get("input_grads", 0.0)),
                 weight_versions=sum(copies[s] * stages[s].trainable for s in held),
                 receive_buffers=sum(buffers[s] for s in held),
+                gathered=round(at_peak.get("gathered", 0.0)),
+                reduce_scatter=round(at_peak.get("reduce_scatter", 0.0)),
                 offloaded=round(sweep_peak(host[w])[0]),
             )
         )

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from fastpipe.memory.limit import MARGIN, MemoryGuard
+from fastpipe.memory.limit import MARGIN, MemoryGuard, sample_key
 from fastpipe.memory.offload_bytes import OffloadBytes
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.runtime.host_copies import check_host_memory
@@ -186,7 +186,7 @@ class PipeOffload:
     def _choose(self, guard: MemoryGuard, schedule: Schedule, rest: tuple[Any, ...]) -> None:
         """Per device, the least fraction (in eighths) whose predicted peak fits the guard's limit."""
         checkpoint, _, sample, _, _ = rest
-        key = (schedule, checkpoint if isinstance(checkpoint, str) else id(checkpoint), _shape(sample))
+        key = (schedule, checkpoint if isinstance(checkpoint, str) else id(checkpoint), sample_key(sample))
         chosen = self._chosen.get(key)
         if chosen is None:
             modules = [st.module for st in self.stages]
@@ -208,11 +208,3 @@ class PipeOffload:
             shown = ", ".join(f"stage {s}: {p.fraction:g}" for s, p in enumerate(chosen) if p is not None)
             _log.info("fastpipe: offload='auto' under %s: %s", format_bytes(guard.limit), shown or "nothing")
         self._set(chosen)
-
-
-def _shape(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return tuple(_shape(v) for v in value)
-    return type(value).__name__

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.balance._untouched import state_kept
+from fastpipe.memory.limit import sample_key
 from fastpipe.memory.model import StageBytes
 from fastpipe.runtime.host_copies import CopyPath
 from fastpipe.runtime.offload import OffloadPolicy, SavedSet, chosen_prefix, saving_hooks
@@ -85,47 +86,30 @@ class OffloadBytes:
         scopes: tuple[frozenset[int] | None, ...],
     ) -> list[list[int] | None]:
         """Per stage, the sizes of the tensors its forward can offload (all layers, or the ``scopes``), in order."""
-        key = (_shape(sample), scopes)
-        found = self._sizes.get(key)
-        if found is None:
-            with state_kept(nn.ModuleList([st.module for st in self.stages]), None):  # buffers, RNG as they were
-                found = self._sizes[key] = self._measure(sample, target, loss_fn, scopes)
-        return found
-
-    def _measure(
-        self,
-        sample: Value,
-        target: Any,
-        loss_fn: Callable[[Any, Any], Tensor] | None,
-        scopes: tuple[frozenset[int] | None, ...],
-    ) -> list[list[int] | None]:
-        found: list[list[int] | None] = []
+        key = (sample_key(sample), scopes)
+        if key in self._sizes:
+            return self._sizes[key]
+        found: list[list[int] | None] = [None] * len(self.stages)
         value = sample
-        for s, (stage, scope) in enumerate(zip(self.stages, scopes)):
-            if stage.skips.layers or stage.side_names:  # it needs what the pipe hands it besides its input
-                return found + [None] * (len(self.stages) - s)
-            value = to_device(value, stage.device)
-            saved = SavedSet(CopyPath(stage.device, force=True))
-            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_of(value)]
-            value = replace_tensors(value, leaves)
-            with torch.enable_grad(), accumulating_linears(stage.linears, Deferred()):
-                with saving_hooks(stage.module, scope, saved):
-                    out = stage.module(value)
-                    if s == len(self.stages) - 1 and loss_fn is not None:
-                        out = loss_fn(out, to_device(target, stage.device))
-            found.append([r.nbytes for r in saved.candidates()])
-            saved.release()
-            value = replace_tensors(out, [t.detach() for t in tensors_of(out)])
-            del out
+        with state_kept(nn.ModuleList([st.module for st in self.stages]), None):  # buffers, RNG as they were
+            for s, (stage, scope) in enumerate(zip(self.stages, scopes)):
+                if stage.skips.layers or stage.side_names:  # it (and so each stage after it) needs more than its input
+                    break
+                value = to_device(value, stage.device)
+                saved = SavedSet(CopyPath(stage.device, force=True))
+                leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_of(value)]
+                value = replace_tensors(value, leaves)
+                with torch.enable_grad(), accumulating_linears(stage.linears, Deferred()):
+                    with saving_hooks(stage.module, scope, saved):
+                        out = stage.module(value)
+                        if s == len(self.stages) - 1 and loss_fn is not None:
+                            out = loss_fn(out, to_device(target, stage.device))
+                found[s] = [r.nbytes for r in saved.candidates()]
+                saved.release()
+                value = replace_tensors(out, [t.detach() for t in tensors_of(out)])
+                del out
+        self._sizes[key] = found
         return found
-
-
-def _shape(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return tuple(_shape(v) for v in value)
-    return type(value).__name__
 
 
 @dataclasses.dataclass(frozen=True)

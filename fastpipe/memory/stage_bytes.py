@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -50,14 +51,15 @@ class _Saved:
     def __init__(self, skip: set[int]) -> None:
         self.skip = skip  # parameter storages
         self.alive: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
-        self.holders: list[_Holder] = []
+        # Weak: a holder autograd let go of must die, so that ``alive`` drops its tensor then.
+        self.holders: list[weakref.ref[_Holder]] = []
 
     def pack(self, t: Tensor) -> Any:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.skip:
             return t
         holder = _Holder(t, self)
-        self.holders.append(holder)
+        self.holders.append(weakref.ref(holder))
         return holder
 
     def release(self) -> None:
@@ -68,8 +70,10 @@ class _Saved:
         part no backward consumed (an integer input's path) would keep it, and its saved
         tensors, alive for good.
         """
-        for holder in self.holders:
-            holder.tensor = None
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None:
+                holder.tensor = None
         self.holders.clear()
 
     @staticmethod
@@ -84,7 +88,7 @@ class _Saved:
 
 
 class _Holder:
-    __slots__ = ("tensor", "ptr", "owner")
+    __slots__ = ("tensor", "ptr", "owner", "__weakref__")
 
     def __init__(self, tensor: Tensor, owner: _Saved) -> None:
         self.tensor: Tensor | None = tensor
@@ -258,7 +262,9 @@ def _measure_stage(
     fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
     inputs = tensors_of(run.value)
     device = _device_of(run.value)
-    combined = _combined_transient(stage, run, side, finish, params, linears, regions, device) if transients else 0
+    combined, first = (
+        _combined_transient(stage, run, side, finish, params, linears, regions, device) if transients else (0, 0)
+    )
     saved = _Saved(set(fixed))
     records = Deferred()
     with accumulating_linears(linears, records), checkpointed(regions), torch.enable_grad():
@@ -285,6 +291,7 @@ def _measure_stage(
         f_transient=0 if forward is None else _above(forward),
         b_transient=0 if meter is None else _above(meter),
         bw_transient=combined,
+        bw_first=first,
         w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
     )
     backward_weights(work, [None] * len(params))
@@ -308,29 +315,33 @@ def _combined_transient(
     linears: list[nn.Linear],
     regions: Sequence[nn.Module],
     device: torch.device,
-) -> int:
-    """:attr:`StageBytes.bw_transient`: a backward into ``.grad`` sums that exist, as every ``BW`` but a first runs.
+) -> tuple[int, int]:
+    """:attr:`StageBytes.bw_transient` and :attr:`~StageBytes.bw_first`: a backward into ``.grad`` sums that exist,
+    as every ``BW`` but a first runs, and the first one.
 
-    A first backward allocates the sums as it goes; the model counts them from its end, and a
-    later backward, which adds into them in place, holds as much in flight (measured: less).
+    A first backward allocates the sums as it goes; the model counts them from its end, plus what
+    it held above its end (the gradient in flight into its first layers, once all sums are made).
     """
     before = [p.grad for p in params]
     leaves = [t for t in [*tensors_of(run.value), *run.pending.values()] if t.requires_grad]
     try:
         for p in params:
             p.grad = None
+        above: list[int] = []  # the first backward's, then a later one's
         with accumulating_linears(linears), checkpointed(regions), torch.enable_grad():
-            for first in (True, False):
+            for _ in range(2):
                 roots = _forward(stage, run, side, finish).roots()
                 grads = [torch.ones_like(t) for t in roots]
                 if not roots or not (leaves or params):
-                    return 0
-                with _peak(device, not first) as meter:
+                    return 0, 0
+                with _peak(device, True) as meter:
                     torch.autograd.backward(roots, grads, inputs=[*leaves, *params])
+                assert meter is not None
+                # The first one's above its own end, which holds the sums it made.
+                above.append(_above(meter) if above else meter.result.peak - meter.result.end)
                 for t in leaves:
                     t.grad = None
-            assert meter is not None
-            return _above(meter)
+            return above[1], above[0]
     finally:
         for p, g in zip(params, before):
             p.grad = g

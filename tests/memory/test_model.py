@@ -308,7 +308,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
 def test_a_device_prints_its_parts_with_units_and_a_limit_names_the_one_over_it() -> None:
     d = DeviceMemory(2, (2, 5), 3 * 2**30, 0, 3 * 2**29, 5 * MIB, 0, 0, 0, 0, 0)
     assert str(d) == "device 2 (stages 2, 5): 4.50 GiB (parameters 3.00 GiB, optimizer 1.50 GiB, activations 5.00 MiB)"
-    assert PARTS[0] == "parameters" and len(PARTS) == 9
+    assert PARTS[0] == "parameters" and len(PARTS) == 11
     require_fit([d], d.total)
     with pytest.raises(ValueError, match=r"device 2 \(stages 2, 5\) needs at least 4.50 GiB.*parameters 3.00 GiB"):
         require_fit([d], 4 * 2**30)
