@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 from fastpipe.balance import BalanceError
 from fastpipe.cli_plan import PLAN_EXAMPLE, run_plan
+from fastpipe.cli_plan_memory import memory_argument
 from fastpipe.schedule import SCHEDULES, ScheduleError
 
 __all__ = ["build_parser", "main"]
@@ -127,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stages per worker (K x V stages in all): any V with --schedule interleaved (default 2); "
         "zb-v and dualpipev take 2; the others 1",
     )
-    p.add_argument("--memory", type=_floats, default=None, help="bytes per layer")
+    p.add_argument(
+        "--memory",
+        type=memory_argument,
+        default=None,
+        help="bytes per layer; or one size with a unit (24GiB), another spelling of --memory-limit",
+    )
     p.add_argument(
         "--memory-limit",
         default=None,
@@ -139,8 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         default="except_last",
-        choices=("always", "except_last", "never"),
-        help="the recompute the pipe will run, which the memory model counts",
+        choices=("always", "except_last", "never", "auto"),
+        help="the recompute the pipe will run, which the memory model counts; auto: the planner chooses it with "
+        "the balance, the schedule (--schedule auto) and the offload, and prints the combinations",
+    )
+    p.add_argument(
+        "--offload",
+        default="none",
+        choices=("none", "auto"),
+        help="auto: the planner may offload saved activations to host memory (priced by --copy-bandwidth)",
+    )
+    p.add_argument(
+        "--copy-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="host copy bandwidth each way that prices --offload auto (per cost unit with --costs); "
+        "default: none, offload is then not on offer",
     )
     p.add_argument("--comm", type=float, default=0.0, help="link delay between stages, cost units")
     p.add_argument(

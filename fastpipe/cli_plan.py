@@ -8,6 +8,10 @@ records, under ``--checkpoint``. ``--memory-limit`` is a size in device bytes (`
 balance planned, or with ``--schedule auto`` the schedule chosen, is one whose every device's
 prediction plus 5% fits.
 
+``--checkpoint auto`` or ``--offload auto`` hands balance, schedule (``--schedule auto``), recompute
+and offload to one planner and prints its combinations (:mod:`fastpipe.cli_plan_memory`);
+``--memory 24GiB`` (a size with a unit) spells ``--memory-limit``.
+
 With ``--costs`` the times are in the unit given, and bytes are known only from ``--memory``
 (each layer's bytes): a stage needs the sum of its layers' (``--schedule auto``: its
 activations per micro-batch, counted over the micro-batches each device keeps alive). Without
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastpipe.balance import MEASURED_TOLERANCE, plan, predict
+from fastpipe.cli_plan_memory import resolve_memory_alias, run_plan_memory, wants_planner
 from fastpipe.memory.limit import MARGIN
 from fastpipe.memory.sizes import format_bytes, parse_bytes
 from fastpipe.schedule import build
@@ -124,6 +129,7 @@ def _check_plan(args: argparse.Namespace) -> int | None:
         missing.append("--chunks M (the micro-batches per step)")
     if missing:
         raise ValueError(f"fastpipe plan needs {'; '.join(missing)}. Example: {PLAN_EXAMPLE}")
+    resolve_memory_alias(args)
     if args.memory_limit is None:
         return None
     limit = parse_bytes(args.memory_limit)
@@ -158,6 +164,8 @@ def run_plan(args: argparse.Namespace) -> int:
         fwd = args.costs
         bwd = args.bwd_costs if args.bwd_costs is not None else [2 * c for c in fwd]
     virtual = virtual_stages(args.schedule, args.virtual_stages)
+    if wants_planner(args):
+        return run_plan_memory(args, fwd, bwd, prof, limit, _optimizer(args) if prof is not None else None)
     if args.schedule == "auto":
         return _plan_auto(args, fwd, bwd, prof, limit)
     schedule = build(args.schedule, args.stages, args.chunks, virtual_stages=virtual)

@@ -10,10 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from fastpipe.asynchronous.fit_run import FitRun
-from fastpipe.balance.auto import resolve_balance
 from fastpipe.memory.offload import OffloadSpec, PipeOffload
+from fastpipe.memory.planner_pipe import DEFAULT_CHECKPOINT, resolve_settings
 from fastpipe.memory.recompute import PipeRecompute
-from fastpipe.memory.sizes import parse_bytes
 from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
 from fastpipe.model.partition import (
     Device,
@@ -41,9 +40,9 @@ from fastpipe.runtime.threads import LocalRuntime
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
 from fastpipe.step.amp import loss_scale
-from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, StepMemory, is_auto
+from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, StepMemory
 from fastpipe.step.microbatch import Value, batch_size, gather, replace_tensors, scatter, tensors_of, to_device
-from fastpipe.step.recompute_policy import CheckpointSetting, Recompute, checkpoint_setting
+from fastpipe.step.recompute_policy import CheckpointSetting, Recompute
 from fastpipe.step.rules import (
     CHECKPOINT_MODES,
     check_chunks,
@@ -84,6 +83,7 @@ class Pipe(nn.Module):
             (all micro-batches but the last) or ``"never"``; layers, ``fn(index, layer) -> bool``; parts of decoder
             blocks, ``"attention"``/``"mlp"`` or a list; ``"auto"``: the least that fits ``memory_limit``. Nothing in
             ``eval()``. Recompute replays dropout bit for bit: each (stage, micro-batch) has its own generator.
+            Default: ``"except_last"``; ``"auto"`` (nothing recomputed where it fits) when ``memory_limit`` is given.
         deferred_batch_norm: BatchNorm layers become :class:`DeferredBatchNorm` (statistics of the whole mini-batch).
         trace: record a :class:`~fastpipe.trace.timeline.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
@@ -93,7 +93,9 @@ class Pipe(nn.Module):
             costs are profiled on one micro-batch; of the splits within 5% of the least
             simulated step time of ``schedule``, the most even (:func:`fastpipe.balance.plan`).
         memory_limit: bytes per device (an int, or ``"24GiB"``): each step's predicted peak must fit
-            or ``train_step`` raises before it runs (:mod:`fastpipe.memory.limit`); also bounds ``balance="auto"``.
+            or ``train_step`` raises before it runs (:mod:`fastpipe.memory.limit`). With ``balance="auto"`` and another
+            ``"auto"`` among ``schedule``, ``checkpoint``, ``offload``, one planner chooses them together, the fastest
+            combination that fits (``pipe.plan``, :mod:`fastpipe.memory.planner`).
         offload: saved activations kept in host memory from forward to backward (docs/memory.md): a fraction per
             stage, ``fn(index, layer) -> bool``, a list per stage, or ``"auto"`` (the least that fits ``memory_limit``).
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
@@ -119,7 +121,7 @@ class Pipe(nn.Module):
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        checkpoint: CheckpointSetting = "except_last",
+        checkpoint: CheckpointSetting = DEFAULT_CHECKPOINT,
         deferred_batch_norm: bool = False,
         trace: bool = False,
         schedule: str | AutoSchedule = "1f1b",
@@ -141,22 +143,15 @@ class Pipe(nn.Module):
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         check_chunks(chunks)
-        self.checkpoint = checkpoint_setting(checkpoint)
         options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc)
-        balance = resolve_balance(  # type: ignore[assignment]
-            module,
-            balance,
-            devices,
-            sample=sample,
-            memory_limit=None if memory_limit is None or balance != "auto" else parse_bytes(memory_limit),
-            side_inputs=sample_side_inputs,
-            chunks=chunks,
-            schedule="zb-h1" if is_auto(schedule) else str(schedule),  # "auto" then searches on this balance
-            virtual_stages=virtual_stages,
-            checkpoint=self.checkpoint,
-            wgrad_batch=options.wgrad_batch,
-        )
-        balance = check_balance(balance, len(module))
+        given: dict[str, Any] = {"devices": devices, "sample": sample, "memory_limit": memory_limit}
+        settings = resolve_settings(
+            module, balance, schedule, checkpoint, offload, chunks=chunks, virtual_stages=virtual_stages,
+            side_inputs=sample_side_inputs, wgrad_batch=options.wgrad_batch, **given
+        )  # fmt: skip
+        self.checkpoint, self.plan = settings.checkpoint, settings.plan
+        schedule, virtual_stages, offload = settings.schedule, settings.virtual_stages, settings.offload
+        balance = check_balance(settings.balance, len(module))
         device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
         self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages)
         warn_unpipelined(chunks, len(balance), len(balance) // virtual_stages)
