@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.distributed.backend import backend_for
-from fastpipe.distributed.fsdp import check_dp_shard, refuse_sharded_fit, shard_pipe, state_bytes
+from fastpipe.distributed.fsdp import check_dp_shard, shard_pipe, state_bytes
 from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
 from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.distributed.rank_step import rank_step
@@ -372,11 +372,11 @@ class DistributedPipe(nn.Module):
         Every rank passes its own ``batches`` of ``(input, target)`` in step (stage 0's rank
         reads the inputs, the last rank the targets) and its optimizer over its parameters;
         every rank yields the same losses. With data parallelism each stage's update averages
-        its gradient over the replicas first. A batch may carry side inputs as a third item
-        (every rank's, as for :meth:`train_step`). It refuses tied weights across stages
-        (each stage updates on its own, so the copies would drift), and stages sharded with ``dp_shard="fsdp"``.
+        its gradient over the replicas first (with ``dp_shard="fsdp"``, into this rank's shard
+        of it). A batch may carry side inputs as a third item (every rank's, as for
+        :meth:`train_step`). It refuses tied weights across stages (each stage updates on its
+        own, so the copies would drift).
         """
-        refuse_sharded_fit(self.runtime)
         return DistributedFitRun(
             self,
             batches,

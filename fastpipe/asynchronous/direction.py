@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 import fastpipe._C as _C
 
@@ -73,6 +74,11 @@ def _one_pass(*tensors: Tensor) -> bool:
     return all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n for t in tensors
     )
+
+
+def _local(t: Tensor) -> Tensor:
+    """What this rank holds of ``t``: a DTensor's shard (a stage sharded with FSDP2), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -135,6 +141,9 @@ def predict_weights(
 ) -> list[Tensor]:
     """Ŵ = p - total · Δ for each of ``params``, written into ``out`` (new tensors when None).
 
+    For a DTensor parameter (a stage sharded with FSDP2) Ŵ is this rank's shard of the prediction,
+    computed from the shards of the parameter and of the optimizer state.
+
     ``totals[i]`` is the sum of the learning rates of the updates to predict for ``params[i]``
     (``lr · s`` at a constant lr). Where the optimizer holds no state for a parameter yet,
     Ŵ is a copy of it. The arithmetic is :func:`update_direction`'s, rearranged so that no
@@ -154,23 +163,24 @@ def predict_weights(
     kind = type(optimizer)
     steps = _steps(optimizer, params)
     result: list[Tensor] = []
-    for i, (p, total) in enumerate(zip(params, totals)):
+    for i, (param, total) in enumerate(zip(params, totals)):
+        group, state = groups.get(id(param)), optimizer.state.get(param, {})
+        p = _local(param)
         o = torch.empty_like(p) if out is None else out[i]
-        group, state = groups.get(id(p)), optimizer.state.get(p, {})
         if group is None or not state:
             result.append(o.copy_(p))
             continue
         if kind is torch.optim.SGD:
             buf = state.get("momentum_buffer")
-            result.append(o.copy_(p) if buf is None else torch.add(p, buf, alpha=-total, out=o))
+            result.append(o.copy_(p) if buf is None else torch.add(p, _local(buf), alpha=-total, out=o))
             continue
-        step = steps[id(p)]
+        step = steps[id(param)]
         beta1, beta2 = group["betas"]
-        second = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+        second = _local(state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"])
         c1, c2 = 1 - beta1**step, (1 - beta2**step) ** 0.5
         decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
         decay = -total * group["weight_decay"] if decoupled else 0.0
-        first = state["exp_avg"]
+        first = _local(state["exp_avg"])
         if _one_pass(o, p, first, second):
             _C.adam_predict_f32(
                 o.data_ptr(),

@@ -16,6 +16,12 @@ rank s % K) the stream is ordered by Megatron's interleaved 1F1B
 (:func:`~fastpipe.schedule.multistep.build_multistep` with ``workers``), each stage updating on
 its own ``U``; ``chunks`` must then be a multiple of the ranks, as for ``train_step``.
 
+With ``dp_shard="fsdp"`` the replicas shard each stage (:mod:`fastpipe.asynchronous.sharded`): an
+update reduce-scatters the stage's mini-batch gradient and steps the optimizer on the shards;
+the forwards run on whole weights gathered from the shards, one all-gather per stage and dtype
+for the live weights after an update (when a forward reads them) and one per prediction, which
+is made on the shards from the sharded optimizer state.
+
 With ``deferred_batch_norm=True`` each rank commits its stage's running statistics per
 mini-batch at its update, as :class:`FitRun` does (the runner is the same); under data
 parallelism each replica's come from its own share of the batch, as in ``train_step``.
@@ -30,7 +36,10 @@ import torch
 from torch import Tensor
 
 from fastpipe.asynchronous.fit_run import FitRun, RunnerFactory
+from fastpipe.asynchronous.sharded import clip_shards, sharded_weights
+from fastpipe.asynchronous.weights import StageWeights
 from fastpipe.asynchronous.window import Window
+from fastpipe.distributed.fsdp_step import StageShards
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
@@ -46,6 +55,8 @@ class DistributedFitRun(FitRun):
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, *args, **kwargs)
         self.runtime: Any = pipe.runtime
+        replicas = self.runtime.replicas
+        self.shards: StageShards | None = replicas if isinstance(replicas, StageShards) else None
 
     def _fail(self, exc: BaseException) -> None:
         runtime = self.runtime
@@ -119,16 +130,22 @@ class DistributedFitRun(FitRun):
         first, last = runtime.rank == runtime.first_rank, runtime.rank == runtime.last_rank
         # The transport hands stage 0's input on as it comes: put it on this rank's device first.
         inputs = [to_device(v, self.stages[0].device) for v in window.inputs] if first else None
-        runtime.train(
-            schedule,
-            inputs,
-            LossSpec(microbatch_loss(self.loss_fn, window.targets), window.targets, window.factors),
-            checkpoint=lambda i: False,
-            caller=CallerState.capture(),
-            step_seed=window.seed,
-            runner_factory=factory,
-            side=window.side,
-        )
+        if self.shards is not None:
+            self.shards.begin_fit()
+        try:
+            runtime.train(
+                schedule,
+                inputs,
+                LossSpec(microbatch_loss(self.loss_fn, window.targets), window.targets, window.factors),
+                checkpoint=lambda i: False,
+                caller=CallerState.capture(),
+                step_seed=window.seed,
+                runner_factory=factory,
+                side=window.side,
+            )
+        finally:
+            if self.shards is not None:
+                self.shards.end()
         buf = torch.zeros(window.minibatches, dtype=torch.float64)
         dtype = torch.get_default_dtype()
         if last:
@@ -140,10 +157,26 @@ class DistributedFitRun(FitRun):
             buf = runtime.dp_mean(buf, "the data-parallel loss all-reduce")
         return [v.to(dtype) for v in buf]
 
+    def _stage_weights(self, stage: int, lags: dict[int, int], m: int, lrs: list[list[float]]) -> StageWeights:
+        if self.shards is None:
+            return super()._stage_weights(stage, lags, m, lrs)
+        params = self.stages[stage].params
+        predict = self._predictor(params, lrs)
+        return sharded_weights(self.shards, stage, self.consistency, lags, m, predict, self._pools[stage])
+
+    def _clip(self, params: list[Any], max_norm: float) -> None:
+        if self.shards is None:
+            super()._clip(params, max_norm)
+        else:
+            clip_shards(params, max_norm, self.runtime.dp_mean, self.shards.size)
+
     def _apply(self, stage: int, grads: Sequence[Tensor | None], lrs: list[float]) -> None:
-        """Average the stage's mini-batch gradient over the data-parallel replicas, then step."""
+        """Average the stage's mini-batch gradient over the data-parallel replicas (sharded: into this
+        rank's shard of it), then step."""
         runtime = self.runtime
-        if runtime.dp_group is not None:
+        if self.shards is not None:
+            grads = self.shards.reduce_scatter(stage, list(grads))
+        elif runtime.dp_group is not None:
             grads = list(grads)  # unused parameters get zeros: the replicas must agree on the layout
             runtime.reduce_stage_grads(stage, grads)
         super()._apply(stage, grads, lrs)

@@ -254,17 +254,7 @@ class FitRun(Iterator[Tensor]):
         schedule = build_multistep(self.num_stages, m, n, flush=self.consistency == "sync", workers=self.num_workers)
         lags = update_lag(schedule)
         lrs = self._lr_table(n)
-        weights = {
-            s: StageWeights(
-                st.params,
-                self.consistency,
-                {i: lags[(s, i)] for i in range(m * n)},
-                m,
-                self._predictor(st.params, lrs),
-                self._pools[s],
-            )
-            for s, st in self.stages.items()
-        }
+        weights = {s: self._stage_weights(s, {i: lags[(s, i)] for i in range(m * n)}, m, lrs) for s in self.stages}
         bound = weight_versions(schedule)[self.consistency]
         for s, st in self.stages.items():
             nbytes = sum(p.numel() * p.element_size() for p in st.params)
@@ -328,7 +318,7 @@ class FitRun(Iterator[Tensor]):
         with self._lock:
             accumulate_grads(params, grads)  # parameter hooks see the mini-batch's gradient once
             if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.max_grad_norm)
+                self._clip([p for p in params if p.grad is not None], self.max_grad_norm)
             current = [g["lr"] for g in groups]
             try:
                 for g, lr in zip(groups, lrs):
@@ -339,6 +329,15 @@ class FitRun(Iterator[Tensor]):
                     g["lr"] = lr
                 for p in params:
                     p.grad = None
+
+    def _clip(self, params: list[nn.Parameter], max_norm: float) -> None:
+        """Scale one stage's gradients to a norm of at most ``max_norm`` (``max_grad_norm``)."""
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _stage_weights(self, stage: int, lags: dict[int, int], m: int, lrs: list[list[float]]) -> StageWeights:
+        """Who chooses the weights of ``stage``'s micro-batches in one window (``lags`` per micro-batch)."""
+        params = self.stages[stage].params
+        return StageWeights(params, self.consistency, lags, m, self._predictor(params, lrs), self._pools[stage])
 
     def _predictor(self, params: list[nn.Parameter], lrs: list[list[float]]) -> Predictor:
         optimizer, index = self.optimizer, self._group_index

@@ -158,7 +158,7 @@ class MultistepRunner(StepRunner):
         self.param_grads[s] = [None] * len(grads)
         self.weights[s].before_update()
         self.apply_update(s, n, grads)
-        self.weights[s].version += 1
+        self.weights[s].after_update()
         for norm in self.norms[s]:
             norm.commit(norm_slot(n))
         return started

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = ["POLICIES", "StageWeights"]
 
@@ -63,7 +63,8 @@ class StageWeights:
     Only the stage's worker thread touches it.
 
     Args:
-        params: the stage's trainable parameters (updated in place by the optimizer).
+        params: the stage's trainable parameters (updated in place by the optimizer), or
+            whole-size buffers of them that ``refresh`` fills.
         policy: one of :data:`POLICIES`.
         lags: per micro-batch of the stream, its update lag on this stage.
         minibatch_size: micro-batches per update.
@@ -71,16 +72,22 @@ class StageWeights:
             buffers ``out`` when given (``predict`` only).
         pool: free buffers (each a list with one tensor per parameter, like ``params``) to
             write copies into; released copies are put back. A new list when None.
+        refresh: for a stage sharded over its replicas, where ``params`` are whole-size buffers,
+            not the parameters: writes the parameters' current values into them (an all-gather).
+            Called before a forward reads the live weights after an update (under ``stale``, at
+            the update itself while micro-batches are in flight: their backwards read the live
+            weights of their time), so an update that nothing reads after gathers nothing.
     """
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        params: Sequence[Tensor],
         policy: str,
         lags: Mapping[int, int],
         minibatch_size: int,
         predictor: Predictor | None = None,
         pool: list[list[Tensor]] | None = None,
+        refresh: Callable[[], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {policy!r}")
@@ -90,6 +97,8 @@ class StageWeights:
         self.minibatch_size = minibatch_size
         self.predictor = predictor
         self.pool: list[list[Tensor]] = [] if pool is None else pool
+        self.refresh = refresh
+        self._outdated = refresh is not None  # the buffers hold no values yet
         self.version = 0  # updates applied by this stage in this window
         self.copy_bytes = 0
         self.peak_copy_bytes = 0
@@ -103,6 +112,8 @@ class StageWeights:
         key = ("predict", self.version, m // self.minibatch_size) if copy else ("live", self.version)
         entry = self._versions.get(key)
         if entry is None:
+            if not copy and self._outdated:
+                self._refresh()
             entry = self._make(copy, lag)
             self._versions[key] = entry
             self.copy_bytes += entry.nbytes
@@ -135,10 +146,25 @@ class StageWeights:
         spare = self.pool.pop() if self.pool else None
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                p.data = p.data.clone() if spare is None else spare[i].copy_(p.data)
+                if self.refresh is not None:  # gathered anew before the next read: no values to keep
+                    p.data = torch.empty_like(p.data) if spare is None else spare[i]
+                else:
+                    p.data = p.data.clone() if spare is None else spare[i].copy_(p.data)
         entry.nbytes = sum(t.numel() * t.element_size() for t in entry.tensors)
         self.copy_bytes += entry.nbytes
         self.peak_copy_bytes = max(self.peak_copy_bytes, self.copy_bytes)
+
+    def after_update(self) -> None:
+        """Just after the optimizer stepped this stage."""
+        self.version += 1
+        self._outdated = self.refresh is not None
+        if self.policy == "stale" and self._outdated and self._versions:  # in-flight backwards read them
+            self._refresh()
+
+    def _refresh(self) -> None:
+        assert self.refresh is not None
+        self.refresh()
+        self._outdated = False
 
     def _make(self, copy: bool, lag: int) -> _Version:
         with torch.no_grad():

@@ -33,7 +33,6 @@ __all__ = [
     "MESH_DIMS",
     "check_dp_shard",
     "point_at_shards",
-    "refuse_sharded_fit",
     "shard_pipe",
     "shard_stages",
     "state_bytes",
@@ -81,20 +80,6 @@ def shard_pipe(root: nn.Module, stages: Mapping[int, Stage], mesh: DeviceMesh, r
     shards, replaced = shard_stages(stages, dp, runtime.wait_collective)
     point_at_shards(root, replaced)
     runtime.replicas = shards
-
-
-def refuse_sharded_fit(runtime: DistributedRuntime) -> None:
-    """``fit`` updates each stage at its own ``U`` inside a window, from stashed whole weights: not built for shards.
-
-    Raises:
-        ValueError: the runtime's stages are sharded.
-    """
-    if isinstance(runtime.replicas, StageShards):
-        raise ValueError(
-            "fastpipe: fit() does not run on stages sharded with dp_shard='fsdp' (its updates inside a window would "
-            "need their own gathers and reductions); train with train_step() and an optimizer, or build the pipe "
-            "with dp_shard='replicate'"
-        )
 
 
 def shard_stages(

@@ -11,6 +11,12 @@ gathered parameters as an unsharded pipe would::
                         over D); its units resharded (the gathered parameters freed)
     step ends           the gradients are DTensor shards, laid out as the parameters
 
+``fit`` updates each stage at its own ``U`` inside a window instead: it sets the hooks aside the
+same way (:meth:`StageShards.begin_fit`) and moves a whole stage at once, one collective per
+dtype: :meth:`StageShards.gather` (weights or a prediction of them, from the shards) and
+:meth:`StageShards.reduce_scatter` (a mini-batch's gradient, into the shards); see
+:mod:`fastpipe.asynchronous.sharded`.
+
 Every collective is waited on through the runtime's watchdog, so a dead replica raises
 :class:`~fastpipe.PipelineError` within the pipe's ``timeout`` instead of hanging.
 """
@@ -140,6 +146,59 @@ class StageShards(ReplicaSync):
 
     def _all_units(self) -> list[Unit]:
         return [u for units in self.units.values() for u in units]
+
+    def begin_fit(self) -> None:
+        """Before a window of ``fit``: FSDP2's hooks set aside (until :meth:`end`); ``fit`` gathers and
+        reduces through :meth:`gather` and :meth:`reduce_scatter`, at its own updates."""
+        self.collectives = {"all_gather": 0, "reduce_scatter": 0}
+        self._set_hooks_aside()
+
+    @torch.no_grad()
+    def gather(self, stage: int, shards: list[Tensor], out: list[Tensor] | None = None) -> list[Tensor]:
+        """The whole tensors of ``shards`` (this rank's rows of ``stage``'s parameters, or of a prediction
+        of them), one all-gather per dtype for the whole stage; written into ``out`` when given."""
+        params = cast(list[DTensor], self._sharded[stage])
+        full = list(out) if out is not None else [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(shards):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for index in by_dtype.values():
+            rows = [-(-params[i].shape[0] // self.size) for i in index]
+            pieces = []
+            for i, r in zip(index, rows):
+                local = shards[i]
+                if local.shape[0] != r:  # the last ranks' chunks are short (or empty): pad to the chunk
+                    local = torch.cat([local, local.new_zeros((r - local.shape[0], *local.shape[1:]))])
+                pieces.append(local.reshape(-1))
+            flat = torch.cat(pieces)
+            gathered = flat.new_empty(flat.numel() * self.size)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(gathered, flat, group=self.group, async_op=True)
+            self.collectives["all_gather"] += 1
+            self.wait(_WaitedAside(work) if self._gloo else work, f"the FSDP all-gather of stage {stage}'s weights")
+            by_rank = gathered.view(self.size, -1)
+            offset = 0
+            for i, r in zip(index, rows):
+                shape = params[i].shape
+                width = r * shape[1:].numel()
+                whole = by_rank[:, offset : offset + width].reshape(self.size * r, *shape[1:])
+                full[i].copy_(whole[: shape[0]])
+                offset += width
+        return full
+
+    def reduce_scatter(self, stage: int, grads: list[Tensor | None]) -> list[Tensor | None]:
+        """``stage``'s whole gradients averaged over the replicas, each reduced to this rank's shard (a
+        DTensor laid out as the parameter): one reduce-scatter per dtype for the whole stage."""
+        params = self._sharded[stage]
+        grads = [
+            torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None else g for p, g in zip(params, grads)
+        ]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(cast(Tensor, g).dtype, []).append(i)
+        self._pending = [self._launch(stage, [cast(Tensor, grads[i]) for i in ix], ix) for ix in by_dtype.values()]
+        self.finish({stage: grads})
+        return grads
 
     def begin(self) -> None:
         """All-gather every unit (FSDP2's unshard); the stages then train on the gathered parameters."""

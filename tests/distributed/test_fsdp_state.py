@@ -11,44 +11,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _dist_utils import check_ok, run_ranks
+from _tied_gpt import VOCAB, K, TokenCE
+from _tied_gpt import gpt as tied_gpt
 from fp_tolerance import close_reordered
 from torch import nn
 
 import fastpipe
 
-VOCAB, DIM = 11, 6
-K = 64  # reductions from the ids to a gradient: dims of 6 and 11, 32 tokens, over 10 layers
-
-
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(ids)
-
-
-class TokenCE(nn.Module):
-    reduction = "mean"
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
 
 def gpt() -> nn.Sequential:
-    """Embedding, 7 layers (one Linear used at 3 and 7; layer 5's weight is layer 1's), LayerNorm,
-    a head tied to the embedding."""
-    torch.manual_seed(0)
-    embed = Embed()
-    head = nn.Linear(DIM, VOCAB, bias=False)
-    head.weight = embed.wte.weight
-    block = nn.Linear(DIM, DIM)
-    middle = [block if i in (3, 7) else nn.Tanh() if i % 2 == 0 else nn.Linear(DIM, DIM) for i in range(1, 8)]
-    middle[4].weight = middle[0].weight
-    return nn.Sequential(embed, *middle, nn.LayerNorm(DIM), head)
+    """The tied GPT with one Linear used at 3 and 7, and layer 5's weight layer 1's."""
+    return tied_gpt(shared=(1, 5))
 
 
 # 1f1b: both ties cross the ranks. zb-v: stages 0 and 3 are rank 0's, so the embedding's tie to
@@ -190,12 +164,6 @@ def _bad_input(rank: int) -> dict[str, Any]:
         out[f"{dp_shard} plain"] = all(type(p) is nn.Parameter for p in pipe.parameters())
         pipe.close()
     out["losses"] = losses
-    pipe = DistributedPipe(model(), [2, 2], mesh=pp_dp, dp_shard="fsdp", timeout=20)
-    try:
-        pipe.fit([], nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.1))
-    except ValueError as exc:
-        out["fit"] = str(exc)
-    pipe.close()
     # The replica of ranks 1 and 3 asks for replicas: the data-parallel check fails on every rank.
     # Then rank 3 alone: its pipeline (ranks 1, 3) fails the pipeline check, and the other
     # pipeline's ranks, left waiting for theirs at the data-parallel check, fail at the timeout.
@@ -284,11 +252,6 @@ def test_fsdp_over_one_replica_trains_as_replicate(ranks: list[dict[str, Any]]) 
         assert torch.equal(bad["losses"]["fsdp"], bad["losses"]["replicate"])
         for a, b in zip(bad["fsdp grads"], bad["replicate grads"]):
             assert torch.equal(a, b)
-
-
-def test_fit_refuses_sharded_stages_and_says_what_trains_them(ranks: list[dict[str, Any]]) -> None:
-    for outcome in ranks:
-        assert "dp_shard='fsdp'" in outcome["bad"]["fit"] and "train_step()" in outcome["bad"]["fit"]
 
 
 def test_ranks_that_disagree_on_dp_shard_raise_as_for_other_settings(ranks: list[dict[str, Any]]) -> None:

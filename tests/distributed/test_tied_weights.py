@@ -11,45 +11,12 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from _dist_utils import check_ok, run_ranks
+from _tied_gpt import DIM, VOCAB, K, TokenCE, gpt
 from fp_tolerance import assert_close_reordered
 from torch import nn
 
 import fastpipe
-
-VOCAB, DIM = 11, 6
-K = 64  # reductions from the ids to a gradient: dims of 6 and 11, 32 tokens, over 10 layers
-
-
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(ids)
-
-
-class TokenCE(nn.Module):
-    """Cross-entropy over every token: a mean over samples of equal length."""
-
-    reduction = "mean"
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def gpt(seed: int = 0, block_at: tuple[int, ...] = (3, 7)) -> nn.Sequential:
-    """Embedding, 7 layers, LayerNorm, head tied to the embedding (GPT-2's tie); one block used at ``block_at``."""
-    torch.manual_seed(seed)
-    embed = Embed()
-    head = nn.Linear(DIM, VOCAB, bias=False)
-    head.weight = embed.wte.weight
-    block = nn.Linear(DIM, DIM)
-    middle = [block if i in block_at else nn.Tanh() if i % 2 == 0 else nn.Linear(DIM, DIM) for i in range(1, 8)]
-    return nn.Sequential(embed, *middle, nn.LayerNorm(DIM), head)
-
 
 # 2 stages: both ties cross the ranks. Interleaved, stages 1 and 3 are rank 1's: the block's
 # tie stays on it, the embedding's crosses from stage 0 (rank 0) to stage 3.
