@@ -131,6 +131,9 @@ class AllReduceSync(ReplicaSync):
     """Replicated stages: each stage's gradients averaged over ``group`` in buckets of ``bucket_bytes``.
 
     ``wait(work, what)`` waits for one collective (the runtime's, bounded by its timeout).
+
+    Attributes:
+        collectives: the all-reduces the last step launched (``{"all_reduce": buckets}``).
     """
 
     def __init__(
@@ -138,9 +141,15 @@ class AllReduceSync(ReplicaSync):
     ) -> None:
         self.stages, self.group, self.bucket_bytes, self.wait = stages, group, bucket_bytes, wait
         self._pending: list[Bucket] = []
+        self.collectives = {"all_reduce": 0}
+
+    def begin(self) -> None:
+        self.collectives = {"all_reduce": 0}
 
     def stage_done(self, stage: int, grads: list[Tensor | None]) -> None:
-        self._pending += start_reduce(stage, self.stages[stage].params, grads, self.group, self.bucket_bytes)
+        buckets = start_reduce(stage, self.stages[stage].params, grads, self.group, self.bucket_bytes)
+        self.collectives["all_reduce"] += len(buckets)
+        self._pending += buckets
 
     def finish(self, grads: Mapping[int, list[Tensor | None]]) -> None:
         for bucket in self._pending:

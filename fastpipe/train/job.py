@@ -195,7 +195,6 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
             f"--batch {args.batch} must split into --data-parallel {args.data_parallel} equal shares of at "
             f"least --chunks {args.chunks} sequences each"
         )
-    corpus = load_corpus(args.data, max_chars=args.max_chars)
     model = build_model(args)
     balance = _balance(args.layers, args.stages * virtual, model.tail)
     # The asynchronous stream is 1F1B's order without the flush.
@@ -215,15 +214,19 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
         loss_fn, logits = model.make_loss(pipe), model.make_logits(pipe)
     else:
         devices, autocast = [ranks.device], _autocast(ranks.device)
+        groups: dict[str, Any] = (
+            {"process_group": ranks.pipeline, "dp_group": ranks.replicas_group}
+            if ranks.mesh is None
+            else {"mesh": ranks.mesh, "dp_shard": "fsdp"}
+        )
         pipe = DistributedPipe(
             model.layers,
             balance,
             chunks=args.chunks,
             schedule=schedule,
             checkpoint=args.recompute,
-            process_group=ranks.pipeline,
-            dp_group=ranks.replicas_group,
             device=ranks.device,
+            **groups,
         )
         # The Sequential keeps the layer objects the DistributedPipe holds (others' on meta):
         # the loss reads the head's weight on the last rank, the only one that calls it.
@@ -232,4 +235,8 @@ def build_job(args: argparse.Namespace, ranks: Ranks | None = None) -> Job:
             runner = _distributed_step
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     settings = _settings(args, model.settings, streamed=runner is None)
+    if ranks is not None and ranks.mesh is not None:  # with one replica there is nothing to shard
+        settings["dp_shard"] = "fsdp"
+    # Read after the pipeline is built, so that a refused combination costs no corpus.
+    corpus = load_corpus(args.data, max_chars=args.max_chars)
     return Job(args, runner, virtual, devices, autocast, corpus, pipe, model, loss_fn, logits, opt, settings, ranks)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fastpipe.asynchronous import FitRun
 from fastpipe.pipe import Pipe
@@ -134,6 +135,11 @@ def _both(first: Any, second: Any) -> Iterator[None]:
         yield
 
 
+def _whole(value: Any) -> Any:
+    """A DTensor's whole tensor (a collective over its mesh), else ``value``."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def evaluate_and_sample(job: Job) -> tuple[float, str, list[str], int] | None:
     """The validation loss, a text sample, each pipeline stage's device and the parameter count.
 
@@ -147,8 +153,12 @@ def evaluate_and_sample(job: Job) -> tuple[float, str, list[str], int] | None:
         first, last = job.first, job.last
     else:
         ranks = job.ranks
-        mine = {k: v.detach().cpu() for k, v in job.pipe.state_dict().items()} if ranks.replica == 0 else None
-        everyone = ranks.gather((mine, str(ranks.device)))
+        # A stage sharded over its replicas (--dp-shard fsdp) is whole only after its replicas gather it.
+        sharded = ranks.mesh is not None
+        mine = None
+        if ranks.replica == 0 or sharded:
+            mine = {k: _whole(v).detach().cpu() for k, v in job.pipe.state_dict().items()}
+        everyone = ranks.gather((mine if ranks.replica == 0 else None, str(ranks.device)))
         if everyone is None:
             return None
         layers = build_model(args).layers

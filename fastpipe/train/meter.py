@@ -3,7 +3,8 @@
 ``torch.autograd.graph.saved_tensors_hooks`` is thread-local, and every stage runs in its own
 worker thread, so the hooks are entered around each layer's forward (a forward pre-hook and a
 forward hook on every layer) in whichever thread runs it, recomputations included. Each saved
-storage is counted once while any autograd node holds it; parameters are left out. The count
+storage is counted once while any autograd node holds it; parameters are left out (those
+the stage holds at that forward: gathered ones where FSDP2 shards it). The count
 drops when autograd frees the node, so ``peak`` is the most activation memory one stage kept
 alive at once under the schedule in use: 1F1B's fewer micro-batches in flight and
 recomputation's smaller saves both show in it.
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ActivationMeter"]
 
@@ -34,9 +36,19 @@ class _Saved:
         self.release()
 
 
+def _storages(stage: nn.Module) -> set[int]:
+    """Where ``stage``'s parameters live now (a DTensor shard's local storage)."""
+    out = set()
+    for p in stage.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out.add(local.untyped_storage().data_ptr())
+    return out
+
+
 class _StageCounter:
-    def __init__(self, params: set[int]) -> None:
-        self.params = params
+    def __init__(self, stage: nn.Module) -> None:
+        self.stage = stage
+        self.params: set[int] = set()
         self.refs: dict[int, tuple[int, int]] = {}  # storage pointer -> (references, bytes)
         self.live = 0
         self.peak = 0
@@ -82,7 +94,7 @@ class ActivationMeter:
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         self._stages = list(stages)
-        self._counters = [_StageCounter({p.untyped_storage().data_ptr() for p in s.parameters()}) for s in self._stages]
+        self._counters = [_StageCounter(s) for s in self._stages]
         self._handles: list[Any] = []
         self._active = threading.local()
 
@@ -111,6 +123,9 @@ class ActivationMeter:
 
     def _enter_hook(self, counter: _StageCounter) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
+            # Read at each forward: a stage sharded over its replicas trains on parameters
+            # gathered for the step, which exist only then.
+            counter.params = _storages(counter.stage)
             ctx = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
             ctx.__enter__()
             stack = getattr(self._active, "stack", None)

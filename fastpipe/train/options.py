@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from fastpipe.asynchronous import POLICIES
+from fastpipe.distributed.fsdp import DP_SHARDS
 from fastpipe.pipe import CHECKPOINT_MODES, Pipe
 from fastpipe.schedule import SCHEDULES, ScheduleError, build
 from fastpipe.schedule.builders import STAGES_PER_WORKER
@@ -181,6 +182,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="D",
         help="under torchrun: D replicas of the pipeline, each training on 1/D of every --batch "
         "(world = stages x D ranks)",
+    )
+    p.add_argument(
+        "--dp-shard",
+        default=DP_SHARDS[0],
+        choices=DP_SHARDS,
+        help="with --data-parallel D > 1: replicate: every replica holds its whole stage; fsdp: the D "
+        "replicas of a stage shard its parameters, gradients and AdamW state with FSDP2, 1/D each "
+        "(one all-gather and one reduce-scatter per unit and step); with D = 1 both are the same",
     )
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step (per replica)")
     p.add_argument(

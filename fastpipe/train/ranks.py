@@ -7,6 +7,10 @@ interleaved``), and ``D`` data-parallel replicas of them::
 
     rank = replica * stages + stage        # a pipeline's ranks are neighbours (one host, usually)
 
+With ``--dp-shard fsdp`` the same ranks also form the 2-D ``DeviceMesh`` ``("pp", "dp")`` that
+FSDP2 shards each stage over: ``mesh[stage][replica]`` is ``replica * stages + stage``, so the
+mesh's ``"pp"`` groups are the pipelines above and its ``"dp"`` groups a stage's replicas.
+
 A host with a GPU for each of its processes runs every rank on ``cuda:LOCAL_RANK`` over NCCL
 (and gloo for the CPU objects the pipeline exchanges); any other host runs gloo on the CPU.
 """
@@ -20,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from fastpipe.distributed.fsdp import MESH_DIMS
 from fastpipe.distributed.launch import init_distributed, launched_by_torchrun
 
 __all__ = ["Ranks", "join", "leave", "launched_by_torchrun"]
@@ -38,6 +44,8 @@ class Ranks:
         device: where this rank's stages live.
         pipeline: the process group of this rank's pipeline.
         replicas_group: the group of this rank's stage in every replica (None without data parallelism).
+        mesh: the ``("pp", "dp")`` DeviceMesh of these groups where the replicas shard their stages
+            (``--dp-shard fsdp`` with ``--data-parallel`` above 1), else None.
     """
 
     rank: int
@@ -47,6 +55,7 @@ class Ranks:
     device: torch.device
     pipeline: Any
     replicas_group: Any
+    mesh: DeviceMesh | None = None
 
     @property
     def stage(self) -> int:
@@ -78,12 +87,14 @@ class Ranks:
         return everyone
 
 
-def join(data_parallel: int, stages: int | None) -> Ranks:
+def join(data_parallel: int, stages: int | None, *, sharded: bool = False) -> Ranks:
     """Starts the process group from torchrun's environment and cuts it into pipelines.
 
     Args:
         data_parallel: replicas of the pipeline (``--data-parallel``); must divide the world.
         stages: ``--stages`` if given: it must be ``world / data_parallel``.
+        sharded: the replicas shard their stages (``--dp-shard fsdp``): the groups come from a
+            ``("pp", "dp")`` DeviceMesh of the same layout, which FSDP2 needs.
 
     Raises:
         ValueError: the world does not cut into ``data_parallel`` pipelines of ``stages`` ranks.
@@ -105,6 +116,12 @@ def join(data_parallel: int, stages: int | None) -> Ranks:
         torch.set_num_threads(1)  # the host's processes share its cores
     pipeline: Any = dist.group.WORLD
     replicas_group: Any = None
+    if data_parallel > 1 and sharded:
+        # Row s of the mesh is stage s of every replica; its groups replace the ones below.
+        layout = torch.arange(world).reshape(data_parallel, per_pipeline).T
+        mesh = DeviceMesh(device.type, layout, mesh_dim_names=MESH_DIMS)
+        pipeline, replicas_group = mesh.get_group("pp"), mesh.get_group("dp")
+        return Ranks(rank, world, per_pipeline, data_parallel, device, pipeline, replicas_group, mesh)
     if data_parallel > 1:
         # Every rank creates every group, in the same order, as new_group requires.
         pipelines = [

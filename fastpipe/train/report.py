@@ -10,6 +10,7 @@ from fastpipe.schedule import Schedule
 from fastpipe.trace.plotting import pyplot
 from fastpipe.trace.timeline import Timeline
 from fastpipe.trace.timing import simulate_measured
+from fastpipe.train.state import state_lines
 
 __all__ = ["write_report", "REPORT_KEYS"]
 
@@ -28,6 +29,7 @@ REPORT_KEYS = (
     "devices",
     "parameters",
     "torchrun",
+    "state",
     "files",
 )
 
@@ -72,12 +74,16 @@ def write_report(
     devices: list[str],
     parameters: int,
     torchrun: dict[str, int] | None = None,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Prints the summary and writes ``report.json``, ``loss.png``, ``timeline.png`` and ``trace.json``.
 
     ``timeline`` is the traced extra step, ``traced`` says in words what it ran, and
     ``schedule`` (a name or a built stream) is what the simulator prices with its costs.
     ``torchrun`` says where a torchrun job ran (world, replicas, restart), None for one process.
+    ``state`` holds ``dp_shard``, ``collectives_per`` (step, or window under async) and, under
+    ``ranks``, each process's bytes of parameters, gradients and optimizer state and its last
+    step's collectives by kind (:func:`fastpipe.train.state.state_table`).
 
     Returns the report dict (what ``report.json`` holds; :data:`REPORT_KEYS`).
     """
@@ -106,6 +112,7 @@ def write_report(
         "devices": devices,
         "parameters": parameters,
         "torchrun": torchrun,
+        "state": state,
         "files": files,
     }
     timeline.to_chrome_trace(files["trace.json"])
@@ -137,6 +144,8 @@ def write_report(
             "  weight copies      "
             + ", ".join(f"stage {s}: {b / 2**20:.1f} MiB" for s, b in enumerate(memory["weight_copy_bytes_per_stage"]))
         )
+    if state is not None:
+        print("\n".join(state_lines(state["ranks"], state["dp_shard"], state["collectives_per"])))
     for device, b in memory.get("max_memory_allocated_per_device", {}).items():
         print(f"  max allocated      {device}: {b / 2**30:.2f} GiB")
     verdict = "below" if val_loss < unigram else "NOT below"

@@ -6,10 +6,12 @@ same size, cut by ``fastpipe.hf`` (see :mod:`.models`).
 On a GPU host every visible GPU holds one stage (bf16 autocast); otherwise 2 CPU stages run
 one thread each. Started by ``torchrun`` (``torchrun --nproc-per-node N -m fastpipe train``),
 each process holds one stage of a ``DistributedPipe`` instead, ``--data-parallel D`` copies of
-the pipeline each take ``1/D`` of every batch, and rank 0 alone prints and writes files (see
-:mod:`.ranks`). Per step it logs the loss; at the end it evaluates the validation loss
-against the unigram baseline, profiles one more (untrained) step with a timeline and the
-activation meter, samples some text, and writes the report (see :mod:`.report`).
+the pipeline each take ``1/D`` of every batch (``--dp-shard fsdp``: sharding each stage's
+state over them with FSDP2), and rank 0 alone prints and writes files (see :mod:`.ranks`).
+Per step it logs the loss; at the end it evaluates the validation loss against the unigram
+baseline, profiles one more (untrained) step with a timeline and the activation meter,
+samples some text, and writes the report (see :mod:`.report`) with each rank's model
+state and collectives (:mod:`.state`).
 
 ``--schedule async`` trains through :func:`fastpipe.asynchronous.fit` instead of one
 ``train_step`` per step; both feed the same loop (:mod:`.loop`). ``--save DIR --resume
@@ -38,6 +40,7 @@ from fastpipe.train.options import CURVE_KEYS, RESUME_AUTO, TrainError, add_argu
 from fastpipe.train.ranks import Ranks, join, launched_by_torchrun, leave
 from fastpipe.train.report import write_report
 from fastpipe.train.resume import check_compatible, has_run, load_run, save_run
+from fastpipe.train.state import collectives_unit, measure_bytes, state_table
 from fastpipe.train.textdata import unigram_entropy
 
 __all__ = ["lr_at", "main", "run"]
@@ -133,9 +136,11 @@ def _train(job: Job, history: list[float], start: int) -> tuple[float | None, Fi
 def _run(job: Job) -> dict[str, Any]:
     history, start_step = _start(job)
     tokens_per_s, fit_run = _train(job, history, start_step)
+    held = measure_bytes(job)  # before the traced step, which drops the gradients
     evaluated = evaluate_and_sample(job)
     measured = profile(job, fit_run)
-    if evaluated is None or measured is None:  # a torchrun rank other than 0
+    table = state_table(job, held)
+    if evaluated is None or measured is None or table is None:  # a torchrun rank other than 0
         return {}
     val_loss, sample, devices, parameters = evaluated
     corpus = job.corpus
@@ -164,6 +169,11 @@ def _run(job: Job) -> dict[str, Any]:
         devices=devices,
         parameters=parameters,
         torchrun=None if job.ranks is None else _launch(job.ranks),
+        state={
+            "dp_shard": job.settings.get("dp_shard", "replicate"),
+            "collectives_per": collectives_unit(job),
+            "ranks": table,
+        },
     )
 
 
@@ -184,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     if not launched_by_torchrun():
         return _run(build_job(args))
-    ranks = join(args.data_parallel, args.stages)
+    ranks = join(args.data_parallel, args.stages, sharded=args.dp_shard == "fsdp")
     try:
         job = build_job(args, ranks)
         report = _run(job)
