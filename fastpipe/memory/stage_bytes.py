@@ -294,7 +294,10 @@ def _measure_stage(
         bw_first=first,
         w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
     )
-    backward_weights(work, [None] * len(params))
+    # As the step runs W: a checkpointed region W reaches first replays its forward, which must
+    # save what the forward saved (the same Linear patch), or torch.utils.checkpoint refuses it.
+    with accumulating_linears(linears, records), checkpointed(regions):
+        backward_weights(work, [None] * len(params))
     saved.release()
     run.pending = {n: t if n in run.pending else _received(t, True) for n, t in ran.left.items()}
     run.value = replace_tensors(ran.out, [_received(t, t.requires_grad) for t in tensors_of(ran.out)])
