@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from _memory_utils import install_counter_or_skip
+from fp_tolerance import assert_close_reordered
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from tests._memory_utils import install_counter_or_skip
-from tests.fp_tolerance import assert_close_reordered
 
 
 class _CheckpointedMLP(nn.Module):

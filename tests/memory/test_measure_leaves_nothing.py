@@ -5,9 +5,8 @@ from __future__ import annotations
 import gc
 
 import torch
+from _memory_utils import install_counter_or_skip
 from torch import nn
-
-from tests._memory_utils import install_counter_or_skip
 
 
 class _TokenMix(nn.Module):
