@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.bench.ranks import init_rank
 from fastpipe.bench.steps import LOSS
 from fastpipe.bench.workload import BATCH, BLOCKS, CHUNKS, FFN, HIDDEN, make_batch, make_model
 
@@ -251,13 +251,7 @@ def rank_main(rank: int, port: int, w: dict[str, int], out: str, rounds_by: floa
 
     world = PP * DP
     cuda = torch.cuda.device_count() >= world
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = init_rank(rank, world, port, cuda=cuda)
     mesh = init_device_mesh(device.type, (PP, DP), mesh_dim_names=("pp", "dp"))
     x, y = make_batch(w["batch"], hidden=w["hidden"])
     x, y = x.to(device), y.to(device)

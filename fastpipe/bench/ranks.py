@@ -35,6 +35,7 @@ __all__ = [
     "Run",
     "RankRuns",
     "RanksTimedOut",
+    "init_rank",
     "join_within",
     "rank_main",
     "spawn_ranks",
@@ -92,6 +93,28 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
 
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts, ignored after
     return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=False)
+
+
+def init_rank(rank: int, world: int, port: int, *, cuda: bool) -> torch.device:
+    """Join this process to the ranks' default process group, as rank ``rank`` of ``world``.
+
+    Args:
+        rank: this process's rank.
+        world: how many ranks there are.
+        port: the port on 127.0.0.1 where rank 0 hosts the group's store.
+        cuda: NCCL with ``cuda:rank`` for this rank; else gloo on the CPU.
+
+    Returns:
+        The device this rank computes on.
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        # One intra-op thread per rank, as torchrun's ranks get: more would oversubscribe the cores.
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
 def _sizes(layers: int, world: int) -> list[int]:
@@ -197,13 +220,7 @@ def rank_main(
     """
     world = len(spec["devices"])
     cuda = spec["devices"][0].startswith("cuda")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = init_rank(rank, world, port, cuda=cuda)
     done: dict[str, Any] = {}
     for method, schedule in runs:
         go = [time.time() < start_by]

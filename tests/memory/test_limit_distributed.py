@@ -6,7 +6,6 @@ rank's device alone (as in tests/memory/test_model_ranks.py).
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,12 @@ from typing import Any
 import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
-from _memory_utils import ProductLoss, install_counter_or_skip
+from _memory_utils import (
+    ProductLoss,
+    install_counter_or_skip,
+    metered_after_a_first_step,
+    refuse_the_bare_prediction,
+)
 from torch import nn
 
 H, ROWS, M = 64, 32, 4
@@ -29,8 +33,6 @@ def limits_on_ranks(rank: int, world: int, schedule: str, balance: list[int]) ->
     """A free run's prediction, a step refused under it, and a step run under it plus the margin."""
     import fastpipe
     from fastpipe.memory._cpu_counter import install
-    from fastpipe.memory.accounting import PeakMeter
-    from fastpipe.memory.limit import MARGIN
 
     x, y = torch.randn(M * ROWS, H), torch.randn(M * ROWS, H)  # before the counter: the data is not the device's
     install()  # before the models exist
@@ -38,41 +40,14 @@ def limits_on_ranks(rank: int, world: int, schedule: str, balance: list[int]) ->
     def pipe(limit: int | str) -> fastpipe.DistributedPipe:
         return fastpipe.DistributedPipe(model(), balance, chunks=M, schedule=schedule, memory_limit=limit)
 
-    free = pipe("1TiB")
-    free.train_step(x, y, ProductLoss())
-    assert free.memory_guard is not None
-    devices = free.memory_guard.last
-    free.close()
-    need = max(d.total for d in devices)
-
-    tight = pipe(need)  # the prediction itself: the margin is not kept free
-    refused = ""
-    try:
-        tight.train_step(x, y, ProductLoss())
-    except ValueError as exc:
-        refused = str(exc)
-    untouched = all(p.grad is None for p in tight.parameters())
-    tight.close()
-
-    limit = int(need * (1 + MARGIN)) + 1
-    fits = pipe(limit)
+    refusal = refuse_the_bare_prediction(pipe, x, y)
+    fits = pipe(refusal.limit)
     opt = torch.optim.Adam(fits.parameters())  # the state the prediction counts
-    fits.train_step(x, y, ProductLoss())  # the first step builds what later steps reuse (receive buffers)
-    opt.step()
-    fits.zero_grad(set_to_none=True)
-    gc.collect()
-    with PeakMeter("cpu") as meter:
-        fits.train_step(x, y, ProductLoss())
+    peak = metered_after_a_first_step(fits, opt, x, y)
     state = [p for p in fits.parameters()] + [t for s in opt.state.values() for t in s.values() if t.dim()]
     held = sum(t.numel() * t.element_size() for t in state)  # alive before the meter started
     fits.close()
-    return {
-        "devices": [(d.worker, d.total) for d in devices],
-        "refused": refused,
-        "untouched": untouched,
-        "limit": limit,
-        "counted": held + meter.result.peak,
-    }
+    return refusal.report(held + peak.peak)
 
 
 @pytest.mark.parametrize(("schedule", "balance"), [("1f1b", [2, 2]), ("zb-v", [1, 1, 1, 1])])

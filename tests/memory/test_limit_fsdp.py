@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from _dist_utils import check_ok, run_ranks
-from _memory_utils import ProductLoss, install_counter_or_skip
+from _memory_utils import ProductLoss, install_counter_or_skip, refuse_the_bare_prediction
 from torch import nn
 
 H, HIDDEN, ROWS, M = 64, 255, 32, 4
@@ -29,7 +29,6 @@ def limits_on_ranks(rank: int, world: int) -> dict[str, Any]:
     import fastpipe
     from fastpipe.memory._cpu_counter import install
     from fastpipe.memory.accounting import PeakMeter
-    from fastpipe.memory.limit import MARGIN
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     x, y = torch.randn(M * ROWS, H), torch.randn(M * ROWS, H)  # before the counter: the data is not the device's
@@ -40,26 +39,8 @@ def limits_on_ranks(rank: int, world: int) -> dict[str, Any]:
             model(), [2, 2], chunks=M, schedule="1f1b", mesh=mesh, dp_shard="fsdp", memory_limit=limit
         )
 
-    free = pipe("1TiB")
-    free.train_step(x, y, ProductLoss())
-    assert free.memory_guard is not None
-    devices = free.memory_guard.last
-    free.close()
-    del free
-    need = max(d.total for d in devices)
-
-    tight = pipe(need)  # the prediction itself: the margin is not kept free
-    refused = ""
-    try:
-        tight.train_step(x, y, ProductLoss())
-    except ValueError as exc:
-        refused = str(exc)
-    untouched = all(p.grad is None for p in tight.parameters())
-    tight.close()
-    del tight
-
-    limit = int(need * (1 + MARGIN)) + 1
-    fits = pipe(limit)
+    refusal = refuse_the_bare_prediction(pipe, x, y)
+    fits = pipe(refusal.limit)
     opt = torch.optim.Adam(fits.parameters())  # the state the prediction counts
     counted = 0
     for _ in range(2):  # the first step builds what later steps reuse (receive buffers, Adam's state)
@@ -70,13 +51,7 @@ def limits_on_ranks(rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         counted = max(counted, meter.result.start + meter.result.peak)  # everything this rank holds
     fits.close()
-    return {
-        "devices": [(d.worker, d.total) for d in devices],
-        "refused": refused,
-        "untouched": untouched,
-        "limit": limit,
-        "counted": counted,
-    }
+    return refusal.report(counted)
 
 
 def test_every_rank_refuses_a_tight_limit_alike_naming_the_sharded_parts_and_runs_under_the_margin() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
-from _memory_utils import ProductLoss, install_counter_or_skip
+from _memory_utils import install_counter_or_skip, metered_after_a_first_step
 from torch import nn
 
 H, M = 64, 4
@@ -47,7 +47,6 @@ def counted_and_predicted(rank: int, world: int) -> dict[str, Any]:
 
     import fastpipe
     from fastpipe.memory._cpu_counter import install
-    from fastpipe.memory.accounting import PeakMeter
     from fastpipe.memory.sharded import shard_bytes
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -60,20 +59,15 @@ def counted_and_predicted(rank: int, world: int) -> dict[str, Any]:
             model(hidden), balance, chunks=M, schedule=schedule, mesh=mesh, dp_shard="fsdp", memory_limit="1TiB"
         )
         opt = torch.optim.Adam(pipe.parameters())  # the state the prediction counts
-        pipe.train_step(x, y, ProductLoss())  # the first step builds what later steps reuse (receive buffers)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        gc.collect()
-        with PeakMeter("cpu") as meter:
-            pipe.train_step(x, y, ProductLoss())
+        peak = metered_after_a_first_step(pipe, opt, x, y)
         assert pipe.memory_guard is not None
         device = pipe.memory_guard.last[mesh.get_local_rank("pp")]
         plain = model(hidden)
         cuts = [sum(balance[:s]) for s in range(len(balance) + 1)]
         whole = [shard_bytes(plain[cuts[s] : cuts[s + 1]], 2, scatter_copies=2) for s in pipe.stages]
         out[name] = {
-            "counted": meter.result.start + meter.result.peak,
-            "between": meter.result.start,
+            "counted": peak.start + peak.peak,
+            "between": peak.start,
             "device": device,
             "from_plain": whole,
             "from_shards": [shard_bytes(m, 2, scatter_copies=2) for m in pipe.stages.values()],
