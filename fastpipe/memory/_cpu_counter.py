@@ -22,18 +22,27 @@ storage allocated before and freed after leaves the count unchanged, so it never
 negative), memory that is not c10's (``torch.from_numpy``, BLAS workspaces, shared memory,
 ``mmap``-ed checkpoints), and the allocator's own alignment padding.
 
+Host bytes: on a CPU the device's memory and the host's are one, but a CPU rank that stands for
+an accelerator needs them apart (an optimizer kept in host memory, :mod:`fastpipe.memory.host_optimizer`).
+Storages allocated by a thread inside :func:`host_scope` are booked to the host
+(:func:`host_allocated`, :func:`host_peak`) and never to :func:`allocated`, for their whole life,
+whichever thread frees them. Allocations made for the scope's work by other threads (an intra-op
+pool) are the device's: run with one intra-op thread where the split matters.
+
 The wrapper stays for the life of the process (storages it handed out keep its deleter); it
 costs a table insert and erase per CPU allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -44,10 +53,14 @@ __all__ = [
     "PRIORITY",
     "allocated",
     "build_directory",
+    "host_allocated",
+    "host_peak",
+    "host_scope",
     "install",
     "installed",
     "live_storages",
     "peak",
+    "reset_host_peak",
     "reset_peak",
 ]
 
@@ -99,6 +112,7 @@ struct Held {
   void* ctx;
   c10::DeleterFnPtr deleter;
   int64_t nbytes;
+  bool host;  // allocated inside a host scope: booked to the host, not the device
 };
 
 struct Shard {
@@ -114,7 +128,10 @@ Shard* const g_shards = new Shard[kShards];
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_live{0};
+std::atomic<int64_t> g_host_current{0};
+std::atomic<int64_t> g_host_peak{0};
 c10::Allocator* g_wrapped = nullptr;
+thread_local bool t_host = false;
 
 Shard& shard_of(const void* ptr) {
   // Allocations are at least 16-byte aligned: drop the low bits before picking a shard.
@@ -123,15 +140,17 @@ Shard& shard_of(const void* ptr) {
   return g_shards[bits % kShards];
 }
 
-void note_allocation(int64_t nbytes) {
-  const int64_t now = g_current.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
-  int64_t seen = g_peak.load(std::memory_order_relaxed);
-  while (now > seen && !g_peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+void note_allocation(int64_t nbytes, bool host) {
+  std::atomic<int64_t>& current = host ? g_host_current : g_current;
+  std::atomic<int64_t>& peak = host ? g_host_peak : g_peak;
+  const int64_t now = current.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
   }
 }
 
 void counted_delete(void* data) {
-  Held held{nullptr, nullptr, 0};
+  Held held{nullptr, nullptr, 0, false};
   bool found = false;
   {
     Shard& shard = shard_of(data);
@@ -150,7 +169,7 @@ void counted_delete(void* data) {
     }
     return;
   }
-  g_current.fetch_sub(held.nbytes, std::memory_order_relaxed);
+  (held.host ? g_host_current : g_current).fetch_sub(held.nbytes, std::memory_order_relaxed);
   g_live.fetch_sub(1, std::memory_order_relaxed);
   if (held.ctx != nullptr) {
     held.deleter(held.ctx);
@@ -170,10 +189,10 @@ struct CountingAllocator final : c10::Allocator {
     {
       Shard& shard = shard_of(data);
       std::lock_guard<std::mutex> lock(shard.mu);
-      shard.live.emplace(data, Held{ctx, deleter, static_cast<int64_t>(nbytes)});
+      shard.live.emplace(data, Held{ctx, deleter, static_cast<int64_t>(nbytes), t_host});
     }
     g_live.fetch_add(1, std::memory_order_relaxed);
-    note_allocation(static_cast<int64_t>(nbytes));
+    note_allocation(static_cast<int64_t>(nbytes), t_host);
     return c10::DataPtr(data, data, &counted_delete, device);
   }
 
@@ -210,6 +229,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak", [] { return g_peak.load(std::memory_order_relaxed); });
   m.def("live_storages", [] { return g_live.load(std::memory_order_relaxed); });
   m.def("reset_peak", [] { g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed); });
+  m.def("host_allocated", [] { return g_host_current.load(std::memory_order_relaxed); });
+  m.def("host_peak", [] { return g_host_peak.load(std::memory_order_relaxed); });
+  m.def("reset_host_peak", [] {
+    g_host_peak.store(g_host_current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  });
+  // Returns the calling thread's previous setting, so scopes nest.
+  m.def("set_host", [](bool host) {
+    const bool before = t_host;
+    t_host = host;
+    return before;
+  });
 }
 """
 
@@ -332,3 +362,36 @@ def reset_peak() -> None:
 def live_storages() -> int:
     """How many CPU storages counted by :func:`allocated` are alive."""
     return int(_counter().live_storages())
+
+
+def host_allocated() -> int:
+    """Bytes of CPU storages allocated inside :func:`host_scope` and still alive (never in :func:`allocated`)."""
+    return int(_counter().host_allocated())
+
+
+def host_peak() -> int:
+    """The most bytes :func:`host_allocated` has reached since :func:`install` or the last :func:`reset_host_peak`."""
+    return int(_counter().host_peak())
+
+
+def reset_host_peak() -> None:
+    """Start a new host peak window at the current :func:`host_allocated` bytes."""
+    _counter().reset_host_peak()
+
+
+@contextlib.contextmanager
+def host_scope() -> Iterator[None]:
+    """Within the block, this thread's CPU allocations are booked to the host, not the device.
+
+    Without the counter installed it does nothing, so code that keeps memory on the host can enter
+    it unconditionally. Scopes nest.
+    """
+    if not installed():
+        yield
+        return
+    assert _module is not None
+    before = bool(_module.set_host(True))
+    try:
+        yield
+    finally:
+        _module.set_host(before)

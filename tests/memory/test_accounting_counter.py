@@ -41,6 +41,35 @@ def test_current_and_peak_are_the_exact_sums_of_known_sizes() -> None:
     assert counter.allocated() == base
 
 
+def test_a_host_scope_books_its_storages_to_the_host_for_their_whole_life() -> None:
+    base, host_base = counter.allocated(), counter.host_allocated()
+    counter.reset_host_peak()
+    with counter.host_scope():
+        on_host = torch.empty(4096, dtype=torch.uint8)
+        with counter.host_scope():  # nested: still the host's
+            nested = torch.empty(1024, dtype=torch.uint8)
+        after_nested = torch.empty(512, dtype=torch.uint8)
+    on_device = torch.empty(300, dtype=torch.uint8)
+    assert counter.allocated() - base == 300
+    assert counter.host_allocated() - host_base == 4096 + 1024 + 512
+    # Another thread allocating meanwhile is not in this thread's scope; a free from anywhere
+    # leaves the side it was booked to.
+    elsewhere: list[torch.Tensor] = []
+    with counter.host_scope():
+        on_thread(lambda: elsewhere.append(torch.empty(200, dtype=torch.uint8)))
+    assert counter.allocated() - base == 300 + 200
+    holder = [on_host]
+    del on_host
+    on_thread(holder.clear)  # the last reference dropped on another thread
+    assert counter.host_allocated() - host_base == 1024 + 512
+    del nested, after_nested
+    assert counter.host_allocated() == host_base
+    assert counter.host_peak() - host_base == 4096 + 1024 + 512
+    assert counter.allocated() - base == 300 + 200
+    del on_device
+    elsewhere.clear()
+
+
 def test_the_counter_sees_an_allocation_made_on_another_thread() -> None:
     kept: list[torch.Tensor] = []
     base = counter.allocated()
