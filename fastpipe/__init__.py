@@ -22,6 +22,7 @@ from fastpipe.checkpoint.serialization import load, save
 from fastpipe.distributed.launch import init_distributed
 from fastpipe.distributed_pipe import DistributedPipe
 from fastpipe.errors import PipelineError
+from fastpipe.memory.host_optimizer import HostOptimizer
 from fastpipe.model.batchnorm import DeferredBatchNorm
 from fastpipe.model.side_inputs import Sequential, broadcast, takes
 from fastpipe.model.skips import pops, stash
@@ -42,6 +43,7 @@ __all__ = [
     "init_distributed",
     "PipelineError",
     "DeferredBatchNorm",
+    "HostOptimizer",
     "CHECKPOINT_MODES",
     "save",
     "load",

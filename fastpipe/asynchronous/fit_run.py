@@ -26,6 +26,7 @@ from fastpipe.asynchronous.fit_limit import FitMemoryGuard
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.asynchronous.window import Split, Window, side_of
+from fastpipe.memory.host_optimizer import HostOptimizer
 from fastpipe.model.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.rng.streams import draw_step_seed
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -110,6 +111,12 @@ class FitRun(Iterator[Tensor]):
             )
         if scheduler is not None and scheduler.optimizer is not optimizer:
             raise ValueError("fastpipe: the scheduler drives another optimizer than the one given to fit")
+        if isinstance(optimizer, HostOptimizer):
+            raise ValueError(
+                "fastpipe: fit steps each stage's parameters on their own and cannot drive a HostOptimizer, which "
+                "steps host copies of them all at once; train with train_step() then optimizer.step(), or give fit "
+                "the plain optimizer"
+            )
         if consistency == "predict":
             check_predictable(optimizer)
         owned = {id(p) for st in self.stages.values() for p in st.params}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fastpipe.memory.host_optimizer import HostOptimizer
+
 __all__ = ["OptimizerSpec", "optimizer_factor"]
 
 OptimizerSpec = torch.optim.Optimizer | str | float | None
@@ -18,7 +20,9 @@ def optimizer_factor(optimizer: OptimizerSpec) -> float:
     Args:
         optimizer: ``None`` or ``"none"`` (0), ``"sgd"`` (0, no momentum), ``"momentum"`` (1),
             ``"adam"`` or ``"adamw"`` (2: two moments in the parameters' dtype); a number (that
-            factor, for an optimizer of your own); or a ``torch.optim.Optimizer``: Adam and
+            factor, for an optimizer of your own); a
+            :class:`~fastpipe.memory.host_optimizer.HostOptimizer` (0: its state is on the host);
+            or a ``torch.optim.Optimizer``: Adam and
             AdamW 2 (3 with ``amsgrad``), SGD 1 with momentum else 0, any other the state it
             already holds per byte of the parameters that have state.
 
@@ -36,6 +40,8 @@ def optimizer_factor(optimizer: OptimizerSpec) -> float:
                 "bytes per parameter byte as a number, or pass the torch.optim.Optimizer"
             )
         return _FACTORS[key]
+    if isinstance(optimizer, HostOptimizer):
+        return 0.0  # its state is on the host
     if isinstance(optimizer, torch.optim.Optimizer):
         return _instance_factor(optimizer)
     if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not 0 <= optimizer < float("inf"):
