@@ -58,7 +58,7 @@ def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSp
     part = layers[a:b]
     values: dict[str, int] = {}
     for f in dataclasses.fields(StageBytes):
-        if f.name in ("input", "gradients", "optimized"):
+        if f.name in ("input", "gradients", "optimized", "w_gemms"):
             continue
         numbers = [getattr(st, f.name) for st in part]
         values[f.name] = max(numbers) if f.name in _LARGEST else sum(numbers)
@@ -68,6 +68,7 @@ def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSp
         input=part[0].input + crossing,
         gradients=sum(st.trainable for st in part),
         optimized=sum(st.stepped for st in part),
+        w_gemms=tuple(g for st in reversed(part) for g in st.w_gemms),  # W runs the last layer's Linears first
     )
 
 

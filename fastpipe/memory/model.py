@@ -54,7 +54,7 @@ their own peak), not part of the device's total.
 The time-varying parts are summed per worker over the schedule's simulated timing
 (:func:`fastpipe.schedule.simulate.sweep_peak`), and a device's activations, W records, skips
 and gradients are those alive at its peak. A ``W`` that runs several micro-batches' records
-holds their stacked copy (``w_stacked`` per micro-batch) while it runs.
+holds their stacked copy while it runs (:func:`~fastpipe.memory.backward_points.stacked_bytes`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from fastpipe.memory.backward_points import first_backwards, sent_gradient
+from fastpipe.memory.backward_points import check_stage_bytes, first_sums, sent_gradient, stacked_bytes
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
@@ -105,7 +105,9 @@ class StageBytes:
         w_stacked: the largest one Linear's record of a micro-batch (its ``x`` and ``dy``): a
             ``W`` that runs several micro-batches' records stacks them, one Linear at a time.
         offloaded: what of ``activation`` a prefetched micro-batch's forward moves to host memory.
-        bw_first: what the ``BW`` that makes the sums holds as it ends above what it leaves.
+        bw_first: what the ``BW`` that makes the sums holds as it ends above what it leaves, its output aside.
+        w_gemms: per deferred Linear, in the order ``W`` runs them, ``(record, sums)``: one
+            micro-batch's record bytes and the bytes of the sums its GEMM makes; empty: unknown.
     """
 
     parameters: int
@@ -121,14 +123,11 @@ class StageBytes:
     w_stacked: int = 0
     offloaded: int = 0
     bw_first: int = 0
+    w_gemms: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in ("gradients", "optimized"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"fastpipe: StageBytes.{f.name} must be a whole number of bytes >= 0, got {value!r}")
+            check_stage_bytes(f.name, getattr(self, f.name))
 
     @property
     def trainable(self) -> int:
@@ -276,7 +275,7 @@ def predict_memory(
     first_grad: dict[tuple[int, int], float] = {}  # per (stage, mini-batch): when its sums appear
     updated: dict[tuple[int, int], float] = {}  # and when its U ends, which frees them
     writes = collections.Counter(release.values())  # the Ws that run deferred GEMMs, and for how many
-    makes_sums = first_backwards(timed, unsplit, per_minibatch)
+    makes_sums = first_sums(timed, unsplit, writes, per_minibatch)
     for action, (w, start, end) in timed.items():
         s, m = action.stage, action.microbatch
         st, add = stages[s], points[w].append
@@ -299,9 +298,10 @@ def predict_memory(
             updated[(s, m)] = end
         elif action.kind in ("B", "BW"):
             split = (s, m) in release
-            if action in makes_sums:  # as it ends, the sums exist while its last gradient is in flight
+            if action in makes_sums:  # as it ends: the sums, its last gradient in flight, its output (held till return)
+                tail = st.bw_first + (stages[s + 1].input if s + 1 < n else 0)  # the output: the next stage's input
                 end, tail_end = math.nextafter(end, -math.inf), end
-                points[w].extend([(end, st.bw_first, "activations"), (tail_end, -st.bw_first, "activations")])
+                points[w].extend([(end, tail, "activations"), (tail_end, -tail, "activations")])
             in_flight = st.b_transient if split else st.bw_transient
             during = max(in_flight, st.f_transient) + st.activation if redo else in_flight  # replay, then backward
             add((start, during, "activations"))
@@ -330,7 +330,7 @@ def predict_memory(
             first_grad[sums] = min(first_grad.get(sums, end), end)
         elif action in writes:
             first_grad[sums] = min(first_grad.get(sums, start), start)
-            stacked = st.w_stacked * writes[action] if writes[action] > 1 else 0
+            stacked = stacked_bytes(st.w_stacked, st.w_gemms, writes[action], action in makes_sums)
             add((start, stacked, "w_records"))
             add((end, -stacked, "w_records"))
     for (stage, minibatch), at in first_grad.items():
