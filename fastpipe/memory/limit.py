@@ -97,9 +97,9 @@ class MemoryGuard:
         if devices is None:
             policy = checkpoint if isinstance(checkpoint, Recompute) else None
             module = nn.Sequential(*layers)
-            measured = (checkpoint, key[3])
+            measured = (checkpoint, key[3], schedule.split_backward)
             stages = self._measured.get(measured) or measure_stages(
-                module, balance, sample, loss_fn=loss_fn, target=target, recompute=policy
+                module, balance, sample, loss_fn=loss_fn, target=target, recompute=policy, split=measured[2]
             )
             self._measured[measured] = stages
             if self.offload is not None:

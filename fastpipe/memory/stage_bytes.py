@@ -8,14 +8,14 @@ runtime's own split backward: Linears routed through
 parameters left out:
 
 * after the forward: the input, the tensors autograd saved (a ``saved_tensors_hooks`` holder
-  per tensor, alive until autograd frees it) and the output;
+  per tensor, alive until autograd frees it) and the output, or, where more, every byte the
+  forward left alive (``torch.utils.checkpoint`` keeps its inputs past the hooks);
 * after ``B``: the deferred Linear records (``x``, ``dy``), and what else is still alive: saved
   tensors of a retained graph, the outputs ``W`` keeps, gradients ``B`` took early.
 
 For the MLP ``Linear(256, 1024) · GELU · Linear(1024, 256)`` on 512 fp32 rows that is 4.50 MiB
-saved in the forward (0.5 input, 2 + 2 hidden) and 5.00 MiB of records after ``B`` (per
-Linear its input and output gradient: 0.5 + 2, 2 + 0.5). Skips are left out of both (the model
-counts them apart, :func:`fastpipe.model.skip_memory.stage_skip_edges`).
+saved in the forward (0.5 input, 2 + 2 hidden) and 5.00 MiB of records after ``B`` (per Linear
+its input and output gradient: 0.5 + 2, 2 + 0.5). Skips are left out of both (counted apart).
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def measure_stages(
     fused_wgrad: bool = True,
     transients: bool = True,
     recompute: Recompute | None = None,
+    split: bool = True,
 ) -> list[StageBytes]:
     """Each stage's :class:`~fastpipe.memory.model.StageBytes` for one micro-batch ``sample``.
 
@@ -157,6 +158,9 @@ def measure_stages(
         recompute: a per-layer policy whose regions run recomputed, as the pipe runs them
             (:mod:`fastpipe.runtime.selective`): they keep only their inputs, their recompute
             counts in the backward's transient bytes, and ``B`` takes their parameters.
+        split: measure the split backward too (``B``'s transient, the W records and what ``B``
+            leaves for ``W``); False, for a schedule without ``W``: those are 0, and the measure
+            holds no more than the step's own backward does.
 
     Raises:
         ValueError: ``balance`` does not cover ``module``, or ``recompute`` does not fit it.
@@ -175,14 +179,14 @@ def measure_stages(
         pending={name: _received(t, True) for name, t in (skips or {}).items()},
     )
     if transients:  # the counter must see the forward's storages allocated to see them freed
-        with PeakMeter(_device_of(run.value)):
+        with PeakMeter(tensors_of(run.value)[0].device):
             pass
     measured = []
     for s, stage in enumerate(stages):
         last = s == len(stages) - 1
         finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
         _arrive(run, stage)
-        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients, regions[s])
+        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients, regions[s], split)
         params = [p for p in stage.parameters() if p.requires_grad]
         measured.append(
             dataclasses.replace(
@@ -203,14 +207,10 @@ class _Run:
 def _arrive(run: _Run, stage: nn.Module) -> None:
     """Hand ``run`` to a stage on another device than the one before it, as the pipe would."""
     device = next((t.device for t in [*stage.parameters(), *stage.buffers()]), None)
-    if device is None or device == _device_of(run.value):
+    if device is None or device == tensors_of(run.value)[0].device:
         return
     run.value = replace_tensors(run.value, [_received(t.to(device), t.requires_grad) for t in tensors_of(run.value)])
     run.pending = {name: _received(t.to(device), True) for name, t in run.pending.items()}
-
-
-def _device_of(value: Value) -> torch.device:
-    return tensors_of(value)[0].device
 
 
 def _tensors(tree: Any) -> list[Tensor]:
@@ -254,6 +254,7 @@ def _measure_stage(
     fused_wgrad: bool,
     transients: bool,
     regions: Sequence[nn.Module],
+    split: bool,
 ) -> StageBytes:
     """One stage on ``run.value``: its bytes; ``run`` moves on to the next stage's input."""
     params = [p for p in stage.parameters() if p.requires_grad]
@@ -261,7 +262,7 @@ def _measure_stage(
     early = stage_early(params, [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1], regions)
     fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
     inputs = tensors_of(run.value)
-    device = _device_of(run.value)
+    device = tensors_of(run.value)[0].device
     combined, first = (
         _combined_transient(stage, run, side, finish, params, linears, regions, device) if transients else (0, 0)
     )
@@ -273,14 +274,18 @@ def _measure_stage(
         seen = _storages(inputs)
         apart = [seen, fixed, _storages([*ran.skips_in, *ran.skips_out])]  # input, parameters, skips
         activation = _bytes({**saved.alive_bytes(), **_storages(tensors_of(ran.out))}, *apart)
+        if forward is not None:  # see the module doc: what torch.utils.checkpoint keeps
+            activation = max(activation, forward.result.end - _bytes(_storages(ran.skips_out), seen, fixed))
         roots = ran.roots()
         leaves = [t for t in [*inputs, *ran.skips_in] if t.requires_grad]
-        with _peak(device, transients) as meter:
-            _, work = backward_inputs(
-                roots, [torch.ones_like(t) for t in roots], leaves, params, early=early, records=records
-            )
+        meter, work = None, None
+        if split:  # B's records for W: a step without W never holds them, so neither does its measure
+            with _peak(device, transients) as meter:
+                _, work = backward_inputs(
+                    roots, [torch.ones_like(t) for t in roots], leaves, params, early=early, records=records
+                )
     deferred = _storages(t for r in records.records for t in r[2:])
-    kept = {**saved.alive_bytes(), **_storages(work.keep), **_storages(g for _, g in work.early)}
+    kept = {**saved.alive_bytes(), **_storages(work.keep), **_storages(g for _, g in work.early)} if work else {}
     result = StageBytes(
         parameters=_bytes(_storages(stage.parameters())),
         activation=activation,
@@ -293,15 +298,38 @@ def _measure_stage(
         bw_transient=combined,
         bw_first=first,
         w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
+        w_gemms=_gemms(records.records),
     )
     # As the step runs W: a checkpointed region W reaches first replays its forward, which must
     # save what the forward saved (the same Linear patch), or torch.utils.checkpoint refuses it.
-    with accumulating_linears(linears, records), checkpointed(regions):
-        backward_weights(work, [None] * len(params))
+    if work is not None:
+        with accumulating_linears(linears, records), checkpointed(regions):
+            backward_weights(work, [None] * len(params))
     saved.release()
     run.pending = {n: t if n in run.pending else _received(t, True) for n, t in ran.left.items()}
     run.value = replace_tensors(ran.out, [_received(t, t.requires_grad) for t in tensors_of(ran.out)])
     return result
+
+
+def _gemms(records: Sequence[tuple[Tensor, Tensor | None, Tensor, Tensor]]) -> tuple[tuple[int, int], ...]:
+    """:attr:`~fastpipe.memory.model.StageBytes.w_gemms` of one micro-batch's deferred records.
+
+    As :func:`fastpipe.runtime.wgrad.apply_deferred` runs them: one GEMM per Linear (weight and
+    bias) in the order B first recorded it, over its records stacked (not under autocast, where
+    each runs alone: nothing to stack), making the sums of the parameters no GEMM before made.
+    """
+    by_linear: dict[tuple[int, int], list[tuple[Tensor, Tensor | None, Tensor, Tensor]]] = {}
+    for rec in records:
+        by_linear.setdefault((id(rec[0]), id(rec[1])), []).append(rec)
+    made: set[int] = set()
+    gemms = []
+    for recs in by_linear.values():
+        stacked = all(r[2].dtype == r[0].dtype for r in recs)
+        record = sum(t.numel() * t.element_size() for r in recs for t in r[2:]) if stacked else 0
+        new = [p for p in recs[0][:2] if p is not None and p.requires_grad and id(p) not in made]
+        made.update(id(p) for p in new)
+        gemms.append((record, sum(p.numel() * p.element_size() for p in new)))
+    return tuple(gemms)
 
 
 def _above(meter: PeakMeter) -> int:
