@@ -23,7 +23,7 @@ uses it, kept equal across ranks (:mod:`fastpipe.distributed.tie_group`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,9 @@ class DistributedPipe(nn.Module):
             of it with ``schedule="interleaved"``, or twice it with ``"zb-v"``/``"dualpipev"``.
         chunks: micro-batches per mini-batch.
         schedule: one of :data:`fastpipe.schedule.SCHEDULES`; it fixes which stages this rank holds.
-        checkpoint: as for :class:`fastpipe.Pipe`.
+        checkpoint: as for :class:`fastpipe.Pipe`, whole-stage modes; ``"auto"`` with ``memory_limit``:
+            per step shape, the least recompute (never, except_last, always) whose predicted peak fits
+            on every rank; without a limit, nothing recomputed.
         process_group: the pipeline group (default: WORLD).
         mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
         dp_group: the data-parallel group of this rank's replicas (with ``process_group``).
@@ -116,7 +118,7 @@ class DistributedPipe(nn.Module):
         *,
         chunks: int = 1,
         schedule: str = "1f1b",
-        checkpoint: Checkpoint = "except_last",
+        checkpoint: Checkpoint | Literal["auto"] = "except_last",
         process_group: Any = None,
         mesh: Any = None,
         dp_group: Any = None,
@@ -145,7 +147,8 @@ class DistributedPipe(nn.Module):
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
-        check_checkpoint(checkpoint)
+        if checkpoint != "auto":
+            check_checkpoint(checkpoint)
         opts = RuntimeOptions.resolve(
             p2p=p2p, fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc
         )
@@ -336,9 +339,9 @@ class DistributedPipe(nn.Module):
         self.last_timeline = runtime.start_timeline(trace)
         here = f"stage {','.join(map(str, self._stages))}"
         step = rank_step(self, input, target, loss_fn, side, schedule, here)
-        check_rank_memory(self, step, loss_fn)
+        chosen = check_rank_memory(self, step, loss_fn)
         count = len(step.sizes)
-        checkpoint = checkpoint_predicate(self.checkpoint, self.training, count)
+        checkpoint = checkpoint_predicate(cast(Checkpoint, chosen or self.checkpoint), self.training, count)
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["RankMemoryGuard", "check_rank_memory"]
 
 _CHECKPOINTS = ("always", "except_last", "never")
+_LEAST_FIRST = ("never", "except_last", "always")  # checkpoint="auto" tries them in this order
 
 
 class RankMemoryGuard:
@@ -79,6 +80,7 @@ class RankMemoryGuard:
     Attributes:
         limit: the budget in bytes.
         predicted: every device's prediction, by step key (schedule, checkpoint, shape).
+        chosen: the recompute each step key runs with (under ``checkpoint="auto"``, the least that fits).
         last: every device's prediction for the last step checked.
 
     Raises:
@@ -92,14 +94,20 @@ class RankMemoryGuard:
         self.dp_shard = dp_shard
         self.optimizer = optimizer
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+        self.chosen: dict[tuple[Any, ...], str] = {}
         self.last: list[DeviceMemory] = []
 
 
-def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]) -> None:
+def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]) -> str | None:
     """Raise the same ``ValueError`` on every rank if a device's predicted peak exceeds the pipe's limit.
 
     Call it on every rank after the step's inputs are shared and before any action runs; a pipe
     without ``memory_limit`` returns at once, without a message.
+
+    Returns:
+        Under ``checkpoint="auto"``, the recompute the step runs with: the least of ``"never"``,
+        ``"except_last"``, ``"always"`` whose prediction fits (the same on every rank, and the
+        most any data-parallel replica needs); otherwise None.
 
     Raises:
         ValueError: naming the device, its stages and what it holds, by part.
@@ -107,31 +115,41 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
     """
     guard: RankMemoryGuard | None = getattr(pipe, "memory_guard", None)
     if guard is None:
-        return
+        return None
     runtime = pipe.runtime
     wgrad_batch = max(st.wgrad_batch for st in pipe._stages.values())
     shape = torch.tensor([_shape_digest(step.microbatches[0]) if step.microbatches else 0], dtype=torch.int64)
     shared = int(runtime.broadcast(shape, runtime.first_rank, "the micro-batch shape for memory_limit").item())
     # Another recompute policy than the three whole-stage ones counts as none: the most it can hold.
-    mode = pipe.checkpoint if isinstance(pipe.checkpoint, str) and pipe.checkpoint in _CHECKPOINTS else "never"
-    key = (step.schedule, mode, wgrad_batch, tuple(step.sizes), shared)
-    devices = guard.predicted.get(key)
-    measured = devices is None
-    if devices is None:
+    auto = pipe.checkpoint == "auto"
+    mode: str = pipe.checkpoint if isinstance(pipe.checkpoint, str) and pipe.checkpoint in _CHECKPOINTS else "never"
+    modes = _LEAST_FIRST if auto else (mode,)
+    key = (step.schedule, "auto" if auto else mode, wgrad_batch, tuple(step.sizes), shared)
+    measured = key not in guard.predicted
+    if measured:
         stages, skips, input_grad, sharded = _relay(pipe, step, loss_fn)
         transport = "ordered" if runtime.ordered else "tags"
-        devices = predict_memory(
-            step.schedule,
-            buffered_stages(step.schedule, stages, transport),
-            receive_buffers=receive_buffer_bytes(step.schedule, stages, transport),
-            checkpoint=mode,
-            optimizer=guard.optimizer,
-            skips=skips,
-            wgrad_batch=wgrad_batch,
-            input_grad=input_grad,
-            sharded=sharded,
-        )
-        guard.predicted[key] = devices
+        tried = {}
+        for mode in modes:  # the least recompute first: the fastest step that fits
+            tried[mode] = predict_memory(
+                step.schedule,
+                buffered_stages(step.schedule, stages, transport),
+                receive_buffers=receive_buffer_bytes(step.schedule, stages, transport),
+                checkpoint=mode,
+                optimizer=guard.optimizer,
+                skips=skips,
+                wgrad_batch=wgrad_batch,
+                input_grad=input_grad,
+                sharded=sharded,
+            )
+            if over_limit(tried[mode], guard.limit) is None:
+                break
+        if auto and runtime.dp_group is not None:  # every replica runs the most any of them needs
+            most = runtime.agree_max(torch.tensor([float(modes.index(mode))]), "the recompute of checkpoint='auto'")
+            mode = modes[int(most.item())]
+        guard.chosen[key] = mode
+        guard.predicted[key] = tried[mode]
+    mode, devices = guard.chosen[key], guard.predicted[key]
     guard.last = devices
     over = over_limit(devices, guard.limit)
     if measured and runtime.dp_group is not None:  # the replicas measured this step together
@@ -142,7 +160,9 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
                 "raised the details); the step did not run here either"
             )
     if over is not None:
-        raise ValueError(refusal(over, guard.limit) + _sharded_note(runtime))
+        tried_note = f" (checkpoint='auto' tried {', '.join(modes)})" if auto else ""
+        raise ValueError(refusal(over, guard.limit) + tried_note + _sharded_note(runtime))
+    return mode if auto else None
 
 
 def _sharded_note(runtime: DistributedRuntime) -> str:
@@ -246,6 +266,7 @@ def _measure(
                 loss_fn=loss_fn if last else None,
                 target=step.targets[0] if last else None,
                 fused_wgrad=stage.options.fused_wgrad,
+                split=getattr(getattr(step, "schedule", None), "split_backward", True),  # fit's windows: any
             )
             store = SkipStore(pending) if has_skips(module) else None
             with torch.enable_grad():  # as the step runs it (a layer may branch on grad mode)
