@@ -2,7 +2,7 @@
 
 GPipe's claim is about size: partitioning plus re-materialization trains models that do not
 fit one device. This benchmark measures it. A GPT of the family ``[Embedding, Block x N, Head]``
-(:mod:`fastpipe.bench.largest_ranks`: pre-norm blocks of width ``d``, SDPA causal attention, a 4x
+(:mod:`fastpipe.bench.largest_model`: pre-norm blocks of width ``d``, SDPA causal attention, a 4x
 GELU MLP; fixed vocabulary, sequence length and batch) is trained for one step (forward,
 backward, Adam) by each system, on K ranks of one device each:
 
@@ -54,7 +54,7 @@ from fastpipe.bench.largest_ranks import rank_main, stage_layers
 from fastpipe.bench.ranks import RanksTimedOut, join_within, start_ranks
 from fastpipe.bench.steps import free_port
 
-__all__ = ["PRESETS", "Config", "System", "fastpipe_configs", "peer_systems", "predict", "run_largest"]
+__all__ = ["PRESETS", "Config", "System", "fastpipe_configs", "peer_systems", "predict", "run_largest", "shipped_pl"]
 
 _MIB = 2**20
 
@@ -70,7 +70,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "width_unit": 16,
         "dims": ("layers",),
         "peers": (("plain", "", "never"), ("pipelining", "1F1B", "never")),
-        "fastpipe": (("fastpipe", "1f1b", "always"), ("fastpipe", "1f1b", "never")),
+        "fastpipe": (
+            ("fastpipe", "1f1b", "always"),
+            ("fastpipe", "1f1b", "never"),
+            ("fastpipe", "1f1b", "always+blocks", "host"),
+        ),
     },
     "quick": {
         "shape": {"vocab": 256, "seq": 64, "heads": 4, "width": 128, "batch": 8, "chunks": 8},
@@ -101,18 +105,25 @@ class System:
     Attributes:
         kind: ``"plain"``, ``"pipelining"`` or ``"fastpipe"``.
         schedule: PL's (``"1F1B"``, ``"ZBVZeroBubble"``) or fastpipe's; ``""`` for plain.
-        checkpoint: ``"never"``, ``"blocks"`` (each block under ``torch.utils.checkpoint``), or
-            fastpipe's ``"except_last"`` and ``"always"``.
+        checkpoint: ``"never"``, ``"blocks"`` (each block under ``torch.utils.checkpoint``),
+            fastpipe's ``"except_last"`` and ``"always"``, or ``"always+blocks"`` (fastpipe's stage
+            recompute over blocks each under ``torch.utils.checkpoint``: a micro-batch in flight
+            keeps its stage input only, and its backward replays the stage keeping block inputs).
+        optimizer: ``"device"`` (Adam on the device) or ``"host"`` (Adam under
+            :class:`~fastpipe.memory.host_optimizer.HostOptimizer`: its state and update on the host,
+            whose bytes a CPU rank books apart).
     """
 
     kind: str
     schedule: str = ""
     checkpoint: str = "never"
+    optimizer: str = "device"
 
     @property
     def name(self) -> str:
         """How the tables name it."""
-        recompute = {"never": "", "blocks": " + checkpoint per block"}.get(self.checkpoint, f", {self.checkpoint}")
+        recompute = {"never": "", "blocks": " + checkpoint per block"}.get(self.checkpoint, f", {self.recompute}")
+        recompute += " + host optimizer" if self.optimizer == "host" else ""
         who = {
             "plain": "plain PyTorch, 1 device",
             "pipelining": f"pipelining {self.schedule}",
@@ -123,9 +134,10 @@ class System:
     @property
     def recompute(self) -> str:
         """What it recomputes, in words."""
-        return {"never": "no recomputation", "blocks": "checkpoint per block"}.get(
-            self.checkpoint, f"checkpoint={self.checkpoint}"
-        )
+        mode, _, blocks = self.checkpoint.partition("+")
+        if blocks:  # fastpipe's stage recompute over blocks each under torch.utils.checkpoint
+            return f"checkpoint={mode} over checkpoint per block"
+        return {"never": "no recomputation", "blocks": "checkpoint per block"}.get(mode, f"checkpoint={mode}")
 
     @property
     def stages_per_rank(self) -> int:
@@ -158,15 +170,30 @@ def predict(config: Config) -> list[int] | None:
 
 
 def peer_systems() -> list[System]:
-    """Plain PyTorch and ``torch.distributed.pipelining``, each with and without checkpointing per block."""
+    """Plain PyTorch and ``torch.distributed.pipelining``, each with and without checkpointing per block.
+
+    Then PL's best, 1F1B with checkpointing per block, with Adam under fastpipe's
+    :class:`~fastpipe.memory.host_optimizer.HostOptimizer`: what the host optimizer alone gives.
+    """
     out = [System("plain", "", c) for c in ("never", "blocks")]
-    return out + [System("pipelining", s, c) for s in ("1F1B", "ZBVZeroBubble") for c in ("never", "blocks")]
+    out += [System("pipelining", s, c) for s in ("1F1B", "ZBVZeroBubble") for c in ("never", "blocks")]
+    return out + [System("pipelining", "1F1B", "blocks", "host")]
 
 
 def fastpipe_configs() -> list[System]:
-    """fastpipe's configurations, the one expected to fit the most first (later ones start above its size)."""
+    """fastpipe's configurations, the one expected to fit the most first (later ones start above its size).
+
+    Per schedule with Adam on the device, then 1f1b with Adam on the host.
+    """
     modes = ("blocks", "always", "except_last", "never")
-    return [System("fastpipe", s, c) for c in modes for s in ("1f1b", "zb-h1", "zb-v")]
+    out = [System("fastpipe", s, c) for c in modes for s in ("1f1b", "zb-h1", "zb-v")]
+    return out + [System("fastpipe", "1f1b", c, "host") for c in ("always+blocks", "blocks")]
+
+
+def shipped_pl(row: dict[str, Any]) -> bool:
+    """Whether a row is ``torch.distributed.pipelining`` as it ships (Adam on the device): the ratios' base."""
+    config = row.get("config") or {"kind": row["system"].split(" ")[0]}  # a row without its config: by name
+    return config["kind"] == "pipelining" and config.get("optimizer", "device") == "device"
 
 
 def _run_job(job: dict[str, Any], world: int, timeout: float) -> dict[str, Any]:
@@ -272,11 +299,12 @@ class _Runner:
 
     def fastpipe(self, configs: list[System], dim: str, start: int, pl_n: int | None) -> dict[str, Any]:
         """Per schedule, the row of its best configuration; every configuration's outcome; the steps at PL's N."""
-        schedules = list(dict.fromkeys(c.schedule for c in configs))
-        groups = [[c for c in configs if c.schedule == s] for s in schedules]
+        kinds = list(dict.fromkeys((c.schedule, c.optimizer) for c in configs))
+        groups = [[c for c in configs if (c.schedule, c.optimizer) == k] for k in kinds]
         at = None
         if pl_n is not None:
-            least_first = ("never", "except_last", "always", "blocks")  # the least recomputation: the fastest step
+            # The least recomputation first: the fastest step.
+            least_first = ("never", "except_last", "always", "blocks", "always+blocks")
             at = {
                 "n": pl_n,
                 "groups": [[asdict(c) for m in least_first for c in g if c.checkpoint == m] for g in groups],
@@ -284,7 +312,7 @@ class _Runner:
         record = self.job(groups, dim, start=start, at=at, weight=2.0 * len(groups) + 1.0)
         stopped = self.stopped(record, "fastpipe", dim)
         rows, tried = [], []
-        for g, schedule in enumerate(schedules):
+        for g, (schedule, optimizer) in enumerate(kinds):
             runs = [run for run in record["runs"] if run["group"] == g]
             mine = [self.row(System(**run["system"]), dim, run, stopped) for run in runs]
             tried += [{"config": r["system"], "largest": r["largest"], "step_s": r["step_s"]} for r in mine]
@@ -295,7 +323,8 @@ class _Runner:
             how = System(**best["config"]).recompute
             # The chart draws the configuration searched from the start; the others measured only near its edge.
             curve = {"system": mine[0]["system"], "points": mine[0]["points"]}
-            rows.append(dict(best, system=f"fastpipe {schedule} (best of {len(runs)}: {how})", curve=curve))
+            where = " + host optimizer" if optimizer == "host" else ""
+            rows.append(dict(best, system=f"fastpipe {schedule}{where} (best of {len(runs)}: {how})", curve=curve))
         timed = [{"config": System(**a["system"]).name, **a["point"]} for a in record.get("at", [])]
         return {"rows": rows, "tried": tried, "at_pl_size": timed}
 
@@ -358,7 +387,7 @@ def run_largest(
     for dim in dims:
         start = preset["start"] if dim == "layers" else 2
         rows = [runner.peer(s, dim, start) for s in peers]
-        pl = [r["largest"] for r in rows if r["system"].startswith("pipelining") and r["largest"]]
+        pl = [r["largest"] for r in rows if shipped_pl(r) and r["largest"]]
         if ours:
             found = runner.fastpipe(ours, dim, start, max(pl) if pl and dim == "layers" else None)
             rows += found.pop("rows")

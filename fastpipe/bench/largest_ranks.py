@@ -12,6 +12,9 @@ gloo's transport). A rank measures a candidate size as::
     step 2 likewise, timed between barriers       ──▶  peak 2, the step time
     peak = max(peak 1, peak 2)                        (step 2 holds Adam's moments throughout)
 
+A system with ``optimizer="host"`` steps Adam under :class:`~fastpipe.memory.host_optimizer.HostOptimizer`:
+the counter books its host copies, their gradients and Adam's moments to the host, not the rank's device.
+
 Everything a rank decides comes from gathered values, so all ranks take the same path.
 """
 
@@ -22,127 +25,19 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from fastpipe.bench.largest_model import TokenLoss, build_layer, layer_count, stage_layers
 from fastpipe.bench.largest_search import Point, best_of
 from fastpipe.memory import _cpu_counter
 from fastpipe.memory.accounting import PeakMeter
+from fastpipe.memory.host_optimizer import HostOptimizer
 
-__all__ = [
-    "Block",
-    "Embedding",
-    "Head",
-    "TokenLoss",
-    "build_layer",
-    "layer_count",
-    "measure",
-    "rank_main",
-    "shape_at",
-    "stage_layers",
-]
-
-
-class Embedding(nn.Module):
-    """Token plus learned position embeddings: ids ``[B, T]`` to ``[B, T, D]``."""
-
-    def __init__(self, vocab: int, seq: int, width: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Parameter(0.01 * torch.randn(seq, width))
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.tokens(ids) + self.positions[: ids.size(1)]
-
-
-class Block(nn.Module):
-    """A pre-norm GPT block: causal attention (SDPA) and a 4x GELU MLP, both residual."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.fc2 = nn.Linear(4 * width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class _Recomputed(nn.Module):
-    """A block under ``torch.utils.checkpoint``: only its input is kept, the rest is recomputed in backward."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = checkpoint(self.block, x, use_reentrant=False)
-        assert isinstance(out, Tensor)
-        return out
-
-
-class Head(nn.Module):
-    """The final LayerNorm and the projection to the vocabulary: the logits ``[B, T, V]``."""
-
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.out = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.norm(x))
-
-
-class TokenLoss(nn.Module):
-    """Mean next-token cross-entropy over every token of the logits."""
-
-    reduction = "mean"
-
-    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def layer_count(layers: int) -> int:
-    """Layers of the Sequential: the embedding, ``layers`` blocks, the head."""
-    return layers + 2
-
-
-def build_layer(i: int, shape: dict[str, Any], per_block_checkpoint: bool) -> nn.Module:
-    """Layer ``i`` of the Sequential ``[Embedding, Block x layers, Head]``, seeded by its index."""
-    torch.manual_seed(1000 + i)
-    last = layer_count(shape["layers"]) - 1
-    if i == 0:
-        return Embedding(shape["vocab"], shape["seq"], shape["width"])
-    if i == last:
-        return Head(shape["width"], shape["vocab"])
-    block = Block(shape["width"], shape["heads"])
-    return _Recomputed(block) if per_block_checkpoint else block
-
-
-def stage_layers(layers: int, stages: int) -> list[int]:
-    """Layers per stage: the ``layers + 2`` layers cut as evenly as counts allow, the earlier stages first."""
-    total = layer_count(layers)
-    if total < stages:
-        raise ValueError(
-            f"{layers} blocks plus the embedding and the head cannot give {stages} stages a layer each; "
-            f"use at least {stages - 2} blocks"
-        )
-    base, extra = divmod(total, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
+__all__ = ["measure", "rank_main", "shape_at", "stage_layers"]
 
 
 def _batch(shape: dict[str, Any]) -> tuple[Tensor, Tensor]:
@@ -164,14 +59,16 @@ def _unpredicted() -> int | None:
     return None
 
 
-def _adam(params: Any) -> torch.optim.Optimizer:
+def _adam(params: Any, system: dict[str, Any]) -> torch.optim.Optimizer:
     # foreach=False: the same per-parameter temporaries on every system and device.
+    if system.get("optimizer", "device") == "host":
+        return HostOptimizer(torch.optim.Adam, params, lr=1e-4, foreach=False)
     return torch.optim.Adam(params, lr=1e-4, foreach=False)
 
 
 def _plain(system: dict[str, Any], shape: dict[str, Any]) -> Built:
     model = _sequential(range(layer_count(shape["layers"])), shape, system["checkpoint"] == "blocks")
-    opt = _adam(model.parameters())
+    opt = _adam(model.parameters(), system)
     ids, target = _batch(shape)
     loss = TokenLoss()
 
@@ -202,7 +99,7 @@ def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world:
     loss = TokenLoss()
     chunks = shape["chunks"]
     sched = ScheduleZBVZeroBubble(stages, chunks, loss_fn=loss) if v else Schedule1F1B(stages[0], chunks, loss_fn=loss)
-    opt = _adam([p for part in parts for p in part.parameters()])
+    opt = _adam([p for part in parts for p in part.parameters()], system)
     ids, target = _batch(shape)
     first, last = 0 in held, count - 1 in held
 
@@ -226,8 +123,10 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
 
     v = system["schedule"] in ("zb-v", "dualpipev")
     balance = stage_layers(shape["layers"], 2 * world if v else world)
-    per_block = system["checkpoint"] == "blocks"
-    mode = "never" if per_block else system["checkpoint"]
+    # "blocks": each block under torch.utils.checkpoint; "always+blocks": fastpipe's stage recompute over them.
+    mode, _, blocks = system["checkpoint"].partition("+")
+    per_block = mode == "blocks" or blocks == "blocks"
+    mode = "never" if mode == "blocks" else mode
 
     def builder(s: int) -> nn.Sequential:
         return _sequential(range(sum(balance[:s]), sum(balance[: s + 1])), shape, per_block)
@@ -242,7 +141,8 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
         device="cpu",
         memory_limit=_NO_LIMIT,
     )
-    opt = _adam(pipe.parameters())
+    opt = _adam(pipe.parameters(), system)
+    cast(Any, pipe.memory_guard).optimizer = opt  # the model counts the state where it is
     ids, target = _batch(shape)
     loss = TokenLoss()
 

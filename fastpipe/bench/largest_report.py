@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fastpipe.bench.largest import shipped_pl
 from fastpipe.bench.tables import table
 from fastpipe.trace.plotting import pyplot
 
@@ -27,7 +28,7 @@ def at_pl_size(result: dict[str, Any]) -> list[dict[str, Any]]:
     Empty where blocks were not searched, or no PL run or no fastpipe configuration fitted.
     """
     rows = result["dims"].get("layers", [])
-    pl = [r for r in rows if r["system"].startswith("pipelining") and r["largest"] is not None]
+    pl = [r for r in rows if shipped_pl(r) and r["largest"] is not None]
     timed = result.get("fastpipe", {}).get("layers", {}).get("at_pl_size", [])
     if not pl or not timed:
         return []

@@ -101,7 +101,8 @@ def test_tiny_run_on_two_ranks_reports_the_edge_of_the_budget(tmp_path: Path) ->
     result = run_largest("tiny", predict=predict)
     budget = result["budget_bytes"]
     rows = {r["system"].split(" (")[0]: r for r in result["dims"]["layers"]}
-    assert set(rows) == {"plain PyTorch, 1 device", "pipelining 1F1B", "fastpipe 1f1b"}
+    host = "fastpipe 1f1b + host optimizer"
+    assert set(rows) == {"plain PyTorch, 1 device", "pipelining 1F1B", "fastpipe 1f1b", host}
     for name, row in rows.items():
         assert row["stopped"] is None, row
         n = row["largest"]
@@ -116,8 +117,11 @@ def test_tiny_run_on_two_ranks_reports_the_edge_of_the_budget(tmp_path: Path) ->
     # fastpipe's ranks predict their own peaks with memory_limit's model; the hook is not asked for them.
     assert not [c for c in asked if c.system.kind == "fastpipe"]
     assert len(ours["predicted"]) == 2
-    for predicted, measured in zip(ours["predicted"], ours["peaks"]):
-        assert abs(predicted - measured) <= 0.05 * measured, (ours["predicted"], ours["peaks"])
+    for row in (ours, rows[host]):
+        for predicted, measured in zip(row["predicted"], row["peaks"]):
+            assert abs(predicted - measured) <= 0.05 * measured, (row["predicted"], row["peaks"])
+    # Adam's moments on the host leave the devices more room.
+    assert rows[host]["largest"] > ours["largest"], (rows[host]["largest"], ours["largest"])
     assert rows["pipelining 1F1B"]["predicted"] == [budget // 2] * 2
     config = next(c for c in asked if c.system.kind == "pipelining")
     assert sum(config.balance) == config.shape["layers"] + 2  # the embedding and the head are layers
