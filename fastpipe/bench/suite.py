@@ -45,7 +45,7 @@ PARTS: dict[str, tuple[float, float]] = {
     "zero-bubble": (90.0, 400.0),
     "copy": (30.0, 120.0),
     "kernels": (120.0, 600.0),
-    "memory": (150.0, 720.0),
+    "memory": (150.0, 1500.0),
     "fsdp": (90.0, 300.0),
 }
 
