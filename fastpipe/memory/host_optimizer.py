@@ -102,16 +102,8 @@ class HostOptimizer(torch.optim.Optimizer):
         groups = _groups(params)
         seen: set[int] = set()
         self._pairs: list[tuple[Tensor, Tensor]] = []
-        host_groups = []
-        with host_scope(), torch.no_grad():
-            for group in groups:
-                copies = []
-                for p in group["params"]:
-                    _check(p, seen)
-                    h = _host_like(p).copy_(p.detach()).requires_grad_(p.requires_grad)
-                    self._pairs.append((p, h))
-                    copies.append(h)
-                host_groups.append({**group, "params": copies})
+        host_groups = [self._host_group(group, seen) for group in groups]
+        with host_scope():
             inner = optimizer(host_groups, **kwargs)
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(
@@ -206,7 +198,12 @@ class HostOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         (group,) = _groups([param_group])
-        seen = {id(p) for p, _ in self._pairs}
+        host_group = self._host_group(group, {id(p) for p, _ in self._pairs})
+        with host_scope():
+            self.inner.add_param_group(host_group)
+
+    def _host_group(self, group: dict[str, Any], seen: set[int]) -> dict[str, Any]:
+        """``group`` with host copies of its parameters in their place; each pair joins ``_pairs``."""
         copies = []
         with host_scope(), torch.no_grad():
             for p in group["params"]:
@@ -214,7 +211,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 h = _host_like(p).copy_(p.detach()).requires_grad_(p.requires_grad)
                 self._pairs.append((p, h))
                 copies.append(h)
-            self.inner.add_param_group({**group, "params": copies})
+        return {**group, "params": copies}
 
     def __repr__(self) -> str:
         return f"HostOptimizer({self.inner!r})"

@@ -31,6 +31,12 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
 
 
+def _train(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    ProductLoss()(m(x), y).backward()
+    opt.step()
+
+
 def _params(m: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in m.parameters()]
 
@@ -71,9 +77,7 @@ def test_its_state_dict_is_the_plain_optimizers_and_loads_either_way() -> None:
     host = HostOptimizer(torch.optim.Adam, a.parameters(), lr=1e-2)
     plain = torch.optim.Adam(b.parameters(), lr=1e-2)
     for m, o in ((a, host), (b, plain)):
-        o.zero_grad()
-        ProductLoss()(m(x), y).backward()
-        o.step()
+        _train(m, o, x, y)
     saved, saved_plain = host.state_dict(), plain.state_dict()
     assert saved["param_groups"] == saved_plain["param_groups"]
     assert all(
@@ -85,9 +89,7 @@ def test_its_state_dict_is_the_plain_optimizers_and_loads_either_way() -> None:
     host.load_state_dict(saved_plain)
     plain.load_state_dict(saved)
     for m, o in ((a, host), (b, plain)):
-        o.zero_grad()
-        ProductLoss()(m(x), y).backward()
-        o.step()
+        _train(m, o, x, y)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
@@ -97,14 +99,10 @@ def test_a_parameter_changed_between_steps_is_what_the_update_starts_from() -> N
     host = HostOptimizer(torch.optim.Adam, a.parameters(), lr=1e-2)
     plain = torch.optim.Adam(b.parameters(), lr=1e-2)
     for m, o in ((a, host), (b, plain)):
-        o.zero_grad()
-        ProductLoss()(m(x), y).backward()
-        o.step()
+        _train(m, o, x, y)
         with torch.no_grad():
             m[0].weight.mul_(0.5)  # a load or an edit between steps
-        o.zero_grad()
-        ProductLoss()(m(x), y).backward()
-        o.step()
+        _train(m, o, x, y)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
