@@ -99,10 +99,11 @@ class Pipe(nn.Module):
         offload: saved activations kept in host memory from forward to backward (docs/memory.md): a fraction per
             stage, ``fn(index, layer) -> bool``, a list per stage, or ``"auto"`` (the least that fits ``memory_limit``).
         sample_side_inputs: with ``balance="auto"``: the side inputs of ``sample``.
-        fused_wgrad: sum plain ``nn.Linear`` weight gradients inside their GEMM (default True).
+        fused_wgrad: sum plain ``nn.Linear`` weight gradients inside their GEMM (default True), for weights of
+            ``wgrad_fuse_min`` elements or more (default 2**17 on CPU, 0 on GPU) outside a split backward.
         wgrad_batch: micro-batches per GEMM of deferred Linear weight gradients (default 2 on CPU, 1 on GPU).
         tune_malloc: on CPU stages, keep freed activations in the process for reuse (default True). Where
-            one of these three is None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
+            one of these four is None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
         process_group, mesh: refused: :class:`fastpipe.DistributedPipe` runs one stage per process (``torchrun``).
 
     Raises:
@@ -133,6 +134,7 @@ class Pipe(nn.Module):
         fused_wgrad: bool | None = None,
         wgrad_batch: int | None = None,
         tune_malloc: bool | None = None,
+        wgrad_fuse_min: int | None = None,
         process_group: Any = None,
         mesh: Any = None,
     ) -> None:
@@ -143,7 +145,12 @@ class Pipe(nn.Module):
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         check_chunks(chunks)
-        options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc)
+        switches: dict[str, Any] = {
+            "fused_wgrad": fused_wgrad,
+            "wgrad_batch": wgrad_batch,
+            "wgrad_fuse_min": wgrad_fuse_min,
+        }
+        options = RuntimeOptions.resolve(**switches, tune_malloc=tune_malloc)
         given: dict[str, Any] = {"devices": devices, "sample": sample, "memory_limit": memory_limit}
         settings = resolve_settings(
             module, balance, schedule, checkpoint, offload, chunks=chunks, virtual_stages=virtual_stages,

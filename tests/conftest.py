@@ -2,6 +2,10 @@ import os
 
 # One intra-op thread per worker keeps the pipeline tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite's models are small; on a CPU only Linears of 2**17 weight elements or more sum their
+# weight gradients in the GEMM by default. Every Linear takes that path here, as wide layers would;
+# tests/runtime/test_switches.py unsets it to test the default.
+os.environ.setdefault("FASTPIPE_WGRAD_FUSE_MIN", "0")
 
 import contextlib  # noqa: E402
 import faulthandler  # noqa: E402

@@ -135,6 +135,7 @@ def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
             loss_fn=run.loss_fn,
             target=target,
             fused_wgrad=first.options.fused_wgrad,
+            wgrad_fuse_min=first.options.wgrad_fuse_min,
             recompute=policy,
         )
         spans = measure_skips(module, sample, **side) if has_skips(module) else []

@@ -266,6 +266,7 @@ def _measure(
                 loss_fn=loss_fn if last else None,
                 target=step.targets[0] if last else None,
                 fused_wgrad=stage.options.fused_wgrad,
+                wgrad_fuse_min=stage.options.wgrad_fuse_min,
                 split=getattr(getattr(step, "schedule", None), "split_backward", True),  # fit's windows: any
             )
             store = SkipStore(pending) if has_skips(module) else None

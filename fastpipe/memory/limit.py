@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.sizes import format_bytes, parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
+from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.schedule.ir import Schedule
 from fastpipe.step.recompute_policy import Recompute
 
@@ -48,11 +49,15 @@ class MemoryGuard:
     Args:
         limit: bytes per device: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
         optimizer: the optimizer whose state to count (:func:`~fastpipe.memory.model.optimizer_factor`).
+        options: the pipe's switches, which decide how its Linears' weight gradients are made.
     """
 
-    def __init__(self, limit: int | float | str, optimizer: OptimizerSpec = "adam") -> None:
+    def __init__(
+        self, limit: int | float | str, optimizer: OptimizerSpec = "adam", options: RuntimeOptions | None = None
+    ) -> None:
         self.limit = parse_bytes(limit)
         self.optimizer = optimizer
+        self.options = options or RuntimeOptions()
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         #: The prediction of the last step checked, one :class:`~fastpipe.memory.model.DeviceMemory` per device.
         self.last: list[DeviceMemory] = []
@@ -99,7 +104,15 @@ class MemoryGuard:
             module = nn.Sequential(*layers)
             measured = (checkpoint, key[3], schedule.split_backward)
             stages = self._measured.get(measured) or measure_stages(
-                module, balance, sample, loss_fn=loss_fn, target=target, recompute=policy, split=measured[2]
+                module,
+                balance,
+                sample,
+                loss_fn=loss_fn,
+                target=target,
+                recompute=policy,
+                split=measured[2],
+                fused_wgrad=self.options.fused_wgrad,
+                wgrad_fuse_min=self.options.wgrad_fuse_min,
             )
             self._measured[measured] = stages
             if self.offload is not None:

@@ -53,7 +53,8 @@ class PipeRecompute:
 
     def __init__(self, setting: object, stages: Sequence[Stage], memory_limit: float | str | None) -> None:
         self.stages = list(stages)
-        self.guard = None if memory_limit is None else MemoryGuard(memory_limit)
+        options = self.stages[0].options if self.stages else None
+        self.guard = None if memory_limit is None else MemoryGuard(memory_limit, options=options)
         #: What the last step ran: the pipe's setting, or ``"auto"``'s choice (None before its first step).
         self.chosen: str | Recompute | None = None
         self._applied: str | Recompute = "never"

@@ -36,9 +36,10 @@ from fastpipe.memory.model import StageBytes
 from fastpipe.model.side_inputs import run_layers
 from fastpipe.model.skips import SkipStore, has_skips
 from fastpipe.model.ties import split_tied
+from fastpipe.runtime.options import fuse_min_on
 from fastpipe.runtime.selective import checkpointed, stage_early
 from fastpipe.runtime.split_backward import backward_inputs, backward_weights
-from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears
+from fastpipe.runtime.wgrad import Deferred, accumulating_linears, fusable_linears, summing_linears
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.step.recompute_policy import Recompute
 
@@ -65,11 +66,9 @@ class _Saved:
     def release(self) -> None:
         """Let go of every tensor held, once nothing will unpack them.
 
-        A tensor that its own graph node saves (an output kept for the backward) and a holder
-        form a cycle through autograd's C++ graph that Python's collector cannot see; a graph
-        part no backward consumed (an integer input's path) would keep it, and its saved
-        tensors, alive for good.
-        """
+        A tensor its own graph node saves (an output kept for the backward) and a holder form a
+        cycle through autograd's C++ graph that Python's collector cannot see: a graph part no
+        backward consumed (an integer input's path) would keep it, and its saved tensors, alive."""
         for ref in self.holders:
             holder = ref()
             if holder is not None:
@@ -133,6 +132,7 @@ def measure_stages(
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     target: Any = None,
     fused_wgrad: bool = True,
+    wgrad_fuse_min: int | None = None,
     transients: bool = True,
     recompute: Recompute | None = None,
     split: bool = True,
@@ -151,6 +151,8 @@ def measure_stages(
             None: the output's gradient is ones.
         target: this micro-batch's target for ``loss_fn``.
         fused_wgrad: the pipe's ``fused_wgrad`` (False: every weight gradient is left to autograd).
+        wgrad_fuse_min: the pipe's ``wgrad_fuse_min``; None: as a pipe built now would take it
+            (:func:`~fastpipe.runtime.options.fuse_min_on` of the sample's device).
         transients: measure the bytes each action holds only while it runs
             (:attr:`~fastpipe.memory.model.StageBytes.f_transient`, ``b_transient``,
             ``bw_transient``) with :class:`~fastpipe.memory.accounting.PeakMeter` on the stage's
@@ -178,6 +180,7 @@ def measure_stages(
         value=replace_tensors(sample, [_received(t, t.requires_grad) for t in tensors_of(sample)]),
         pending={name: _received(t, True) for name, t in (skips or {}).items()},
     )
+    fusing = (fused_wgrad, fuse_min_on(tensors_of(run.value)[0].device, wgrad_fuse_min))
     if transients:  # the counter must see the forward's storages allocated to see them freed
         with PeakMeter(tensors_of(run.value)[0].device):
             pass
@@ -186,7 +189,7 @@ def measure_stages(
         last = s == len(stages) - 1
         finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
         _arrive(run, stage)
-        found = _measure_stage(stage, run, side, finish, outside, fused_wgrad, transients, regions[s], split)
+        found = _measure_stage(stage, run, side, finish, outside, fusing, transients, regions[s], split)
         params = [p for p in stage.parameters() if p.requires_grad]
         measured.append(
             dataclasses.replace(
@@ -251,20 +254,20 @@ def _measure_stage(
     side: dict[str, Any],
     finish: Callable[[Any], Tensor] | None,
     outside: dict[int, int],
-    fused_wgrad: bool,
+    fusing: tuple[bool, int],
     transients: bool,
     regions: Sequence[nn.Module],
     split: bool,
 ) -> StageBytes:
-    """One stage on ``run.value``: its bytes; ``run`` moves on to the next stage's input."""
-    params = [p for p in stage.parameters() if p.requires_grad]
+    """One stage on ``run.value``: its bytes; ``run`` moves on. ``fusing``: ``(fused_wgrad, wgrad_fuse_min)``."""
+    (fused_wgrad, fuse_min), params = fusing, [p for p in stage.parameters() if p.requires_grad]
     linears = fusable_linears(stage, params) if fused_wgrad else []
     early = stage_early(params, [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1], regions)
     fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
     inputs = tensors_of(run.value)
-    device = tensors_of(run.value)[0].device
+    device, summing = inputs[0].device, summing_linears(linears, fuse_min)
     combined, first = (
-        _combined_transient(stage, run, side, finish, params, linears, regions, device) if transients else (0, 0)
+        _combined_transient(stage, run, side, finish, params, summing, regions, device) if transients else (0, 0)
     )
     saved = _Saved(set(fixed))
     records = Deferred()

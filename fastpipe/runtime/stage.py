@@ -12,7 +12,7 @@ from fastpipe.model.side_inputs import declared
 from fastpipe.model.skips import StageSkips, has_skips
 from fastpipe.runtime.offload import OffloadPolicy
 from fastpipe.runtime.options import RuntimeOptions
-from fastpipe.runtime.wgrad import fusable_linears
+from fastpipe.runtime.wgrad import fusable_linears, summing_linears
 
 __all__ = ["Stage"]
 
@@ -37,7 +37,8 @@ class Stage:
     options: RuntimeOptions = field(default_factory=RuntimeOptions)
     offload: OffloadPolicy | None = None
     params: list[nn.Parameter] = field(init=False)
-    linears: list[nn.Linear] = field(init=False)  # accumulate weight grads in the GEMM (see wgrad)
+    linears: list[nn.Linear] = field(init=False)  # defer weight grads to W under a split backward (see wgrad)
+    summing: list[nn.Linear] = field(init=False)  # those that sum in the GEMM in a combined backward
     early: list[int] = field(init=False)  # params whose gradient B takes under a split (see split_backward)
     wgrad_batch: int = field(init=False)  # micro-batches per deferred-W GEMM (see wgrad.CarriedRecords)
     side_names: tuple[str, ...] = field(init=False)  # the side inputs its layers take
@@ -49,6 +50,7 @@ class Stage:
         self.skips = StageSkips(layers=has_skips(self.module))
         fused = self.options.fused_wgrad
         self.linears = fusable_linears(self.module, self.params) if fused else []
+        self.summing = summing_linears(self.linears, self.options.wgrad_fuse_min_on(self.device))
         # Vector parameters (norm weights, biases) have reductions for gradients, cheap next to the
         # input gradient: B takes them too, which spares W the graph walk and lets B free the graph.
         self.early = [i for i, p in enumerate(self.params) if fused and p.dim() <= 1]

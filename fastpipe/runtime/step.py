@@ -202,7 +202,7 @@ class StepRunner:
         """Route the stage's Linears for task (s, m): summed into ``.grad`` by a combined backward
         (BW), or deferred by B to W (see fastpipe.runtime.wgrad)."""
         if (s, m) not in self.state.schedule.split_pairs or (s, m) in self.state.unsplit:
-            return accumulating_linears(self.stages[s].linears)
+            return accumulating_linears(self.stages[s].summing)
         store = self.state.deferred.get((s, m))
         if store is None:  # made by the forward (a checkpointed one's replay); B takes it to W
             store = self.state.deferred[(s, m)] = Deferred()

@@ -1,19 +1,22 @@
 """The runtime's switches are constructor arguments, fixed when the pipe is built.
 
-``fused_wgrad``, ``wgrad_batch`` and ``tune_malloc`` of ``Pipe`` and ``DistributedPipe``, and ``p2p``
-of ``DistributedPipe`` (:mod:`fastpipe.runtime.options`): each changes what a step does; where one is
-None, its ``FASTPIPE_*`` variable is read once, at construction, and never by a step; a bad value is
-refused, naming those accepted. How ``wgrad_batch`` batches the GEMMs: test_weight_batches.py.
+``fused_wgrad``, ``wgrad_batch``, ``wgrad_fuse_min`` and ``tune_malloc`` of ``Pipe`` and
+``DistributedPipe``, and ``p2p`` of ``DistributedPipe`` (:mod:`fastpipe.runtime.options`): each
+changes what a step does; where one is None, its ``FASTPIPE_*`` variable is read once, at
+construction, and never by a step; a bad value is refused, naming those accepted. How
+``wgrad_batch`` batches the GEMMs: test_weight_batches.py.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
 import pytest
 import torch
 from _dist_utils import check_ok, run_ranks
+from fp_tolerance import assert_close_reordered
 from torch import nn
 
 from fastpipe import Pipe
@@ -21,7 +24,13 @@ from fastpipe.distributed.ranks import order_matched
 from fastpipe.runtime import threads, wgrad
 from fastpipe.runtime.options import RuntimeOptions
 
-VARIABLES = ("FASTPIPE_FUSED_WGRAD", "FASTPIPE_WGRAD_BATCH", "FASTPIPE_TUNE_MALLOC", "FASTPIPE_P2P")
+VARIABLES = (
+    "FASTPIPE_FUSED_WGRAD",
+    "FASTPIPE_WGRAD_BATCH",
+    "FASTPIPE_TUNE_MALLOC",
+    "FASTPIPE_P2P",
+    "FASTPIPE_WGRAD_FUSE_MIN",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +81,9 @@ def _step(pipe: Pipe, schedule: str = "1f1b") -> None:
         ("wgrad_batch", 0, r"a whole number >= 1 \(1: each W runs its own micro-batch's GEMM\) or None"),
         ("wgrad_batch", 2.0, "a whole number >= 1"),
         ("wgrad_batch", True, "a whole number >= 1"),
+        ("wgrad_fuse_min", -1, r"a whole number >= 0 \(0: every Linear sums in its GEMM\) or None"),
+        ("wgrad_fuse_min", 1.5, "a whole number >= 0"),
+        ("wgrad_fuse_min", False, "a whole number >= 0"),
     ],
 )
 def test_a_bad_keyword_is_refused_naming_the_accepted_values(name: str, value: Any, accepted: str) -> None:
@@ -96,6 +108,7 @@ def test_a_bad_transport_is_refused_naming_the_accepted_values() -> None:
         ("FASTPIPE_FUSED_WGRAD", "yes", "fused_wgrad", "0 or 1"),
         ("FASTPIPE_TUNE_MALLOC", "off", "tune_malloc", "0 or 1"),
         ("FASTPIPE_WGRAD_BATCH", "two", "wgrad_batch", "a whole number >= 1"),
+        ("FASTPIPE_WGRAD_FUSE_MIN", "-3", "wgrad_fuse_min", "a whole number >= 0"),
     ],
 )
 def test_a_bad_variable_is_refused_when_the_pipe_is_built(
@@ -104,7 +117,8 @@ def test_a_bad_variable_is_refused_when_the_pipe_is_built(
     monkeypatch.setenv(var, text)
     with pytest.raises(ValueError, match=rf"{var} must be {accepted}.*or pass {name}="):
         _pipe()
-    _pipe(**{name: 1 if name == "wgrad_batch" else True})  # a keyword given: its variable is not read
+    valid = {"wgrad_batch": 1, "wgrad_fuse_min": 0}.get(name, True)
+    _pipe(**{name: valid})  # a keyword given: its variable is not read
 
 
 def test_a_bad_transport_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,10 +132,41 @@ def test_a_bad_transport_variable_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 def test_fused_wgrad_decides_whether_linears_sum_in_their_gemm(gemms: list[int], schedule: str) -> None:
     for fused in (False, True):
         gemms.clear()
-        pipe = _pipe(fused_wgrad=fused)
+        pipe = _pipe(fused_wgrad=fused, wgrad_fuse_min=0)
         _step(pipe, schedule)
         assert bool(gemms) == fused, (fused, len(gemms))
         assert bool(pipe.runtime.stages[0].linears) == fused == bool(pipe.runtime.stages[0].early)
+
+
+def test_on_cpu_only_large_weights_sum_in_their_gemm_by_default(gemms: list[int]) -> None:
+    """Small Linears leave a combined backward's weight gradient to autograd; a split one defers them all."""
+    pipe = _pipe()
+    stage = pipe.runtime.stages[0]
+    assert len(stage.linears) == 1 and stage.summing == []  # Linear(6, 8): 48 elements, under 2**17
+    _step(pipe, "1f1b")
+    assert gemms == []
+    _step(pipe, "zb-h1")  # W is a GEMM over B's records whatever the size
+    assert gemms
+    assert RuntimeOptions().wgrad_fuse_min_on(torch.device("cuda")) == 0
+
+
+def test_wgrad_fuse_min_picks_the_linears_by_weight_size(gemms: list[int]) -> None:
+    torch.manual_seed(0)
+    big, small = nn.Linear(512, 256), nn.Linear(256, 8)  # 131072 elements: at the default bound
+    model = nn.Sequential(big, nn.Tanh(), small)
+    plain = copy.deepcopy(model)
+    pipe = Pipe(model, balance=[3], chunks=2, checkpoint="never")
+    assert pipe.runtime.stages[0].summing == [big]
+    x, y = torch.randn(4, 512), torch.randn(4, 8)
+    pipe.train_step(x, y, nn.MSELoss(), schedule="1f1b")
+    assert len(gemms) == 2  # the large Linear, once per micro-batch
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        (nn.functional.mse_loss(plain(xs), ys) / 2).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_close_reordered(p.grad, q.grad, k=x.shape[1] + x.shape[0])
+    for least, summing in ((48, [1, 1]), (49, [0, 0])):  # both Linears of _pipe hold 48 elements
+        assert [len(s.summing) for s in _pipe(wgrad_fuse_min=least).runtime.stages] == summing
 
 
 def test_tune_malloc_decides_whether_the_first_step_tunes_the_allocator(tunes: list[int]) -> None:
