@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fastpipe.asynchronous.distributed import DistributedFitRun
-from fastpipe.distributed.backend import backend_for
+from fastpipe.distributed.backend import rank_device
 from fastpipe.distributed.fsdp import check_dp_shard, shard_pipe, state_bytes
 from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
+from fastpipe.distributed.plan import check_balance_given, plan_for_ranks
 from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.distributed.rank_step import rank_step
 from fastpipe.distributed.ranks import check_same_settings, gather_objects, pipeline_groups
@@ -41,6 +42,7 @@ from fastpipe.distributed.step_outcome import apply_outcome
 from fastpipe.distributed.tie_group import RankTies
 from fastpipe.distributed.watchdog import FIRST_STEP_TIMEOUT
 from fastpipe.errors import PipelineError
+from fastpipe.memory.planner import Plan
 from fastpipe.model.batchnorm import DeferredBatchNorm
 from fastpipe.model.partition import check_balance, check_module, first_layer_in_place
 from fastpipe.runtime.options import P2P, RuntimeOptions
@@ -74,9 +76,11 @@ class DistributedPipe(nn.Module):
             (moved to the meta device), so build the full model once per host only when
             it fits; otherwise use :meth:`from_stage_builder`.
         balance: layers per stage; ``len(balance)`` is the pipeline group size, a multiple
-            of it with ``schedule="interleaved"``, or twice it with ``"zb-v"``/``"dualpipev"``.
+            of it with ``schedule="interleaved"``, or twice it with ``"zb-v"``/``"dualpipev"``; ``"auto"``: planned
+            with the "auto" schedule and checkpoint under ``memory_limit`` (:mod:`fastpipe.distributed.plan`).
         chunks: micro-batches per mini-batch.
         schedule: one of :data:`fastpipe.schedule.SCHEDULES`; it fixes which stages this rank holds.
+            ``"auto"`` with ``balance="auto"``: the planner's choice.
         checkpoint: as for :class:`fastpipe.Pipe`, whole-stage modes; ``"auto"`` with ``memory_limit``:
             per step shape, the least recompute (never, except_last, always) whose predicted peak fits
             on every rank; without a limit, nothing recomputed.
@@ -98,9 +102,11 @@ class DistributedPipe(nn.Module):
         bucket_bytes: size of one data-parallel (or tied-weight) gradient all-reduce bucket.
         p2p: how payloads are matched between ranks: ``"tags"`` (gloo only) or ``"ordered"`` (what NCCL
             needs, also on gloo); default ordered on NCCL, tags elsewhere. Every rank must match the same way.
-        fused_wgrad, wgrad_batch, tune_malloc: as for :class:`fastpipe.Pipe`. Where one of these four is
+        fused_wgrad, wgrad_batch, tune_malloc, wgrad_fuse_min: as for :class:`fastpipe.Pipe`. Where one of these is
             None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
         memory_limit: bytes per device (or ``"24GiB"``), checked on every rank before a step runs.
+        sample, sample_side_inputs: with ``balance="auto"``: a mini-batch like the real ones (read on the
+            first rank) and its side inputs.
 
     A tensor that layers on several stages use (an embedding tied to the head) is found in
     ``module``. Each rank that uses it holds its own under the Sequential's name of its first
@@ -114,7 +120,7 @@ class DistributedPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential | None,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | Literal["auto"] | None = None,
         *,
         chunks: int = 1,
         schedule: str = "1f1b",
@@ -134,36 +140,37 @@ class DistributedPipe(nn.Module):
         fused_wgrad: bool | None = None,
         wgrad_batch: int | None = None,
         tune_malloc: bool | None = None,
+        wgrad_fuse_min: int | None = None,
         memory_limit: float | str | None = None,
+        sample: Value | None = None,
+        sample_side_inputs: dict[str, Any] | None = None,
         _stage_modules: dict[int, nn.Sequential] | None = None,
         _ties: Sequence[Sequence[str]] = (),
     ) -> None:
         super().__init__()
-        if balance is None:
-            raise TypeError(
-                "fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage "
-                "per pipeline rank, a multiple of the ranks with schedule='interleaved', twice with 'zb-v')"
-            )
+        check_balance_given(balance, module)
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
         if checkpoint != "auto":
             check_checkpoint(checkpoint)
-        opts = RuntimeOptions.resolve(
-            p2p=p2p, fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc
-        )
+        self.plan: Plan | None = None
+        opts = RuntimeOptions.resolve(p2p=p2p, tune_malloc=tune_malloc, fused_wgrad=fused_wgrad,
+                                      wgrad_batch=wgrad_batch, wgrad_fuse_min=wgrad_fuse_min)  # fmt: skip
         check_dp_shard(dp_shard, mesh)
         group, dp = pipeline_groups(process_group, mesh, dp_group)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        balance = list(balance)
+        self.device = rank_device(group, device)
+        if isinstance(balance, str):  # "auto", with the whole model (check_balance_given)
+            found = plan_for_ranks(check_module(cast(nn.Sequential, module)), schedule, str(checkpoint),
+                                   sample=sample, side_inputs=sample_side_inputs, memory_limit=memory_limit,
+                                   chunks=chunks, device=self.device, wgrad_batch=opts.wgrad_batch_on(self.device),
+                                   group=group, dp_group=dp, timeout=timeout)  # fmt: skip
+            balance, schedule, self.plan = found.balance, found.schedule, found.plan
+            checkpoint = cast(Checkpoint, found.checkpoint)
+        balance = list(cast(Sequence[int], balance))
         if len(balance) % size:
             raise ValueError(f"fastpipe: {len(balance)} stages do not spread over {size} pipeline ranks")
-        if device is None:
-            # NCCL serving CUDA tensors (also for a "cpu:gloo,cuda:nccl" group, or one made
-            # without backend=): this rank's GPU; else the CPU.
-            nccl = torch.cuda.is_available() and backend_for(group, "cuda") == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
         placed = placement_for(schedule, len(balance), size)
         mine = [s for s, r in enumerate(placed) if r == rank]
         built: RankStages
@@ -177,19 +184,16 @@ class DistributedPipe(nn.Module):
         else:
             built = declared_stages(_stage_modules, _ties, self.device)
         build_for(schedule, len(balance), size, chunks)  # fail early on a bad combination
-        self.balance = balance
-        self.chunks = chunks
-        self.schedule = schedule
-        self.checkpoint = checkpoint
-        self.deferred_batch_norm = deferred_batch_norm
-        self.on_nan = on_nan
+        self.balance, self.chunks, self.schedule, self.checkpoint = balance, chunks, schedule, checkpoint
+        self.deferred_batch_norm, self.on_nan = deferred_batch_norm, on_nan
         self.group, self.dp_group = group, dp
         self.last_timeline: Timeline | None = None
         self.memory_guard = None if memory_limit is None else RankMemoryGuard(memory_limit, dp_shard=dp_shard)
         for name, layer in built.layers:  # each tied tensor once: the Sequential's keys
             self.add_module(name, layer)
-        stages = {s: Stage(p, self.device, first_layer_in_place(p), opts) for s, p in built.stages.items()}
-        self._stages = stages
+        self._stages = stages = {
+            s: Stage(p, self.device, first_layer_in_place(p), opts) for s, p in built.stages.items()
+        }
         kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
         kw["first_step_timeout"] = first_step_timeout
         self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
@@ -205,9 +209,8 @@ class DistributedPipe(nn.Module):
             "memory_limit": None if self.memory_guard is None else self.memory_guard.limit,
         }
         control = self._runtime.control_group
-        check_same_settings(settings, control, "pipeline", timeout)
-        if dp is not None:
-            check_same_settings(settings, dp, "data-parallel", timeout)
+        for among, what in [(control, "pipeline")] + ([] if dp is None else [(dp, "data-parallel")]):
+            check_same_settings(settings, among, what, timeout)
         # Each rank checks the side inputs of a call against the whole model's, and learns its ties.
         mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report()}
         facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["abort_nccl", "backend_for", "parse_backend_config", "require_backend"]
+__all__ = ["abort_nccl", "backend_for", "parse_backend_config", "rank_device", "require_backend"]
 
 
 def backend_for(group: Any, device: torch.device | str) -> str:
@@ -93,3 +93,14 @@ def parse_backend_config(config: str) -> dict[str, str]:
             pairs.setdefault("cpu", item)
             pairs.setdefault("cuda", item)
     return pairs
+
+
+def rank_device(group: Any, device: torch.device | str | None) -> torch.device:
+    """Where a rank's stages live: ``device``, or by default this rank's GPU where NCCL serves CUDA
+    tensors in ``group`` (also a ``"cpu:gloo,cuda:nccl"`` group, or one made without ``backend=``), else the CPU.
+    """
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available() and backend_for(group, "cuda") == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,198 @@
+"""``DistributedPipe(balance="auto")``: the memory planner, run once on the pipeline's first rank and shared.
+
+Every rank is handed the whole model; the first rank of the pipeline group measures it on one
+micro-batch of ``sample`` on its own device
+(:func:`~fastpipe.memory.planner_profile.measure_plan_profile`) and
+:func:`~fastpipe.memory.planner.plan_memory` chooses the balance, and the schedule and the
+whole-stage recompute where those are ``"auto"``, the fastest that fits ``memory_limit`` on every
+rank. One stage per rank and two per rank are planned apart (a DistributedPipe has one worker
+per rank, so ``K`` ranks run ``K`` stages, or ``2K`` under ``interleaved``, ``zb-v`` and
+``dualpipev``), and the faster of the two plans wins. The others receive the choice; with data
+parallelism every replica then takes the first replica's, so the ranks build one pipeline.
+
+Timings differ from rank to rank, so a plan made on each would differ too: that is why one rank
+plans. A failure there (nothing fits, a bad sample) is raised on every rank with its message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpipe.balance.auto import _one_microbatch
+from fastpipe.balance.planner import BalanceError
+from fastpipe.distributed.ranks import gather_objects
+from fastpipe.memory.planner import Plan, plan_memory
+from fastpipe.memory.planner_profile import measure_plan_profile
+from fastpipe.memory.sizes import parse_bytes
+from fastpipe.model.side_inputs import check_side_inputs
+from fastpipe.schedule import SCHEDULES
+from fastpipe.schedule.builders import STAGES_PER_WORKER
+from fastpipe.step.microbatch import Value, check_value, tensors_of
+
+__all__ = ["RankPlan", "check_balance_given", "plan_for_ranks"]
+
+#: The whole-stage recompute modes a DistributedPipe runs, least recompute first.
+WHOLE_STAGE = ("never", "except_last", "always")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What every rank builds: the planned settings, and the planner's table.
+
+    Attributes:
+        balance: layers per stage (``K`` or ``2K`` stages for ``K`` ranks).
+        schedule: the schedule's name.
+        checkpoint: the whole-stage recompute mode.
+        plan: the planner's :class:`~fastpipe.memory.planner.Plan` (``plan.table()`` shows the candidates).
+    """
+
+    balance: list[int]
+    schedule: str
+    checkpoint: str
+    plan: Plan
+
+
+def plan_for_ranks(
+    module: nn.Sequential,
+    schedule: str,
+    checkpoint: str,
+    *,
+    sample: Value | None,
+    side_inputs: Mapping[str, Any] | None,
+    memory_limit: int | float | str | None,
+    chunks: int,
+    device: torch.device,
+    wgrad_batch: int,
+    group: Any,
+    dp_group: Any,
+    timeout: float,
+) -> RankPlan:
+    """The plan every rank of ``group`` (and of ``dp_group``) builds; see the module.
+
+    Args:
+        module: the whole model, on every rank.
+        schedule: a name of :data:`fastpipe.schedule.SCHEDULES`, or ``"auto"`` (the planner's choice).
+        checkpoint: a whole-stage mode, or ``"auto"`` (the least recompute that fits).
+        sample: a mini-batch like the real ones, read on the pipeline's first rank.
+        side_inputs: the sample's side inputs, by name.
+        memory_limit: bytes per rank (or ``"24GiB"``); None: the fastest, nothing recomputed.
+        chunks: micro-batches per mini-batch.
+        device: where this rank's stages run (the first rank measures there).
+        wgrad_batch: micro-batches per batched ``W`` on ``device``.
+        group: the pipeline group; its first rank plans.
+        dp_group: the data-parallel group, or None.
+        timeout: how long a rank waits for a peer that never arrives (gloo groups).
+
+    Raises:
+        ValueError: nothing fits the limit (the planner's message: the fullest device and what it holds),
+            or ``schedule``/``checkpoint`` is not one the planner can take.
+        fastpipe.balance.BalanceError: no ``sample`` on the first rank, or fewer layers than stages.
+    """
+    ranks = dist.get_world_size(group)
+    outcome: tuple[str, Any] = ("none", None)
+    if dist.get_rank(group) == 0:
+        try:
+            outcome = (
+                "plan",
+                _plan(
+                    module, schedule, checkpoint, sample, side_inputs, memory_limit, chunks, ranks, device, wgrad_batch
+                ),
+            )
+        except (ValueError, TypeError, BalanceError) as exc:
+            outcome = ("error", exc)
+    outcome = gather_objects(outcome, group, "sharing the pipeline's plan", timeout)[0]
+    if dp_group is not None:  # every replica builds the first replica's pipeline
+        outcome = gather_objects(outcome, dp_group, "sharing the pipeline's plan over the replicas", timeout)[0]
+    kind, found = outcome
+    if kind == "error":
+        raise found
+    assert isinstance(found, RankPlan)
+    return found
+
+
+def _plan(
+    module: nn.Sequential,
+    schedule: str,
+    checkpoint: str,
+    sample: Value | None,
+    side_inputs: Mapping[str, Any] | None,
+    memory_limit: int | float | str | None,
+    chunks: int,
+    ranks: int,
+    device: torch.device,
+    wgrad_batch: int,
+) -> RankPlan:
+    if sample is None:
+        raise BalanceError(
+            'fastpipe: DistributedPipe(balance="auto") needs sample=<a mini-batch like the real ones> on the '
+            "pipeline's first rank, to measure the model on"
+        )
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise ValueError(f"fastpipe: schedule={schedule!r} is not one of {SCHEDULES} or 'auto'")
+    if checkpoint != "auto" and checkpoint not in WHOLE_STAGE:
+        raise ValueError(f"fastpipe: checkpoint={checkpoint!r} is not one of {WHOLE_STAGE} or 'auto'")
+    check_value(sample, "sample")
+    side = dict(side_inputs or {})
+    check_side_inputs(module, side, grad=True)
+    micro, micro_side = _one_microbatch(sample, chunks, side)
+    profile = measure_plan_profile(module, micro, micro_side, device=device, policies=[], offload=False)
+    limit = None if memory_limit is None else parse_bytes(memory_limit)
+    plans: list[Plan] = []
+    refusals: list[Exception] = []
+    for per_rank, names in _shapes(schedule).items():
+        try:
+            plans.append(
+                plan_memory(
+                    profile,
+                    ranks * per_rank,
+                    chunks,
+                    limit,
+                    wgrad_batch=wgrad_batch,
+                    input_grad=any(t.requires_grad for t in tensors_of(micro)),
+                    greedy=False,  # a DistributedPipe runs named schedules
+                    schedules=names,
+                    virtual_stages=per_rank,
+                    checkpoints=list(WHOLE_STAGE) if checkpoint == "auto" else [checkpoint],
+                )
+            )
+        except (ValueError, BalanceError) as exc:
+            refusals.append(exc)
+    if not plans:
+        raise refusals[0]
+    best = min(plans, key=lambda p: p.chosen.time)
+    c = best.chosen
+    return RankPlan(list(c.balance), c.name, str(c.checkpoint), best)
+
+
+def _shapes(schedule: str) -> dict[int, list[str]]:
+    """The schedules to plan, by stages per rank: ``schedule`` alone, or every named one for ``"auto"``."""
+    names = list(SCHEDULES) if schedule == "auto" else [schedule]
+    shapes: dict[int, list[str]] = {}
+    for name in names:
+        shapes.setdefault(STAGES_PER_WORKER.get(name, 2 if name == "interleaved" else 1), []).append(name)
+    return shapes
+
+
+def check_balance_given(balance: Sequence[int] | str | None, module: nn.Sequential | None) -> None:
+    """A DistributedPipe's ``balance``: layers per stage, or ``"auto"`` with the whole model.
+
+    Raises:
+        TypeError: no balance, or a string other than ``"auto"``, or ``"auto"`` without the whole model.
+    """
+    if balance is None or (isinstance(balance, str) and balance != "auto"):
+        raise TypeError(
+            f"fastpipe: DistributedPipe needs balance=, the number of layers per stage (one stage per pipeline "
+            f"rank, a multiple of the ranks with schedule='interleaved', twice with 'zb-v'), or 'auto' with "
+            f"sample=; got {balance!r}"
+        )
+    if balance == "auto" and module is None:
+        raise TypeError(
+            'fastpipe: balance="auto" plans on the whole model, which from_stage_builder does not have: pass '
+            "DistributedPipe(model, balance='auto', sample=...) or a balance of layers per stage"
+        )
