@@ -8,7 +8,9 @@ compares steps taken under the same load::
     OMP_NUM_THREADS=1 python bench/largest_paired.py --layers 54 --rounds 6
     OMP_NUM_THREADS=1 python bench/largest_paired.py --layers 26 --rounds 6 --no-per-block
 
-The first round is a warm-up (fastpipe's first step also measures its stages).
+The first round is a warm-up (fastpipe's first step also measures its stages). Each step's CPU
+time per rank (``time.process_time``: every thread of the process) is reported too: 4 ranks on 2
+cores are CPU-bound, so CPU spent beside the arithmetic shows in the step.
 """
 
 from __future__ import annotations
@@ -65,16 +67,20 @@ def _rank(rank: int, world: int, port: int, layers: int, rounds: int, per_block:
     systems["fastpipe 1f1b"] = _fastpipe(shape, world, per_block, True)
     systems["fastpipe 1f1b, fused_wgrad=False"] = _fastpipe(shape, world, per_block, False)
     times: dict[str, list[float]] = {k: [] for k in systems}
+    cpu: dict[str, list[float]] = {k: [] for k in systems}  # this process's CPU seconds, all its threads
     for _ in range(rounds):
         for name, (run, _) in systems.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run()
+            cpu[name].append(time.process_time() - c0)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, cpu)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(times, f)
+            json.dump({"times": times, "cpu": every}, f)
     for _, close in systems.values():
         close()
     dist.destroy_process_group()
@@ -97,13 +103,16 @@ def main() -> None:
             start_method="spawn",
         )
         with open(out) as f:
-            times = json.load(f)
+            found = json.load(f)
+    times = found["times"]
     base = times["PL 1F1B"][1:]
     for name, values in times.items():
         ms = [f"{v * 1e3:.0f}" for v in values]
         ratios = [f"{a / b:.2f}" for a, b in zip(values[1:], base)]
         median = statistics.median(values[1:]) * 1e3
+        per_rank = [statistics.median(c[name][1:]) * 1e3 for c in found["cpu"]]
         print(f"{name}: ms {ms}, median after warm-up {median:.0f}, x PL per round {ratios}")
+        print(f"  CPU ms per rank, median: {[round(c) for c in per_rank]}, all ranks {sum(per_rank):.0f}")
 
 
 if __name__ == "__main__":
