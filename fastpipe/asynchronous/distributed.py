@@ -40,6 +40,7 @@ from fastpipe.asynchronous.sharded import clip_shards, sharded_weights
 from fastpipe.asynchronous.weights import StageWeights
 from fastpipe.asynchronous.window import Window
 from fastpipe.distributed.fsdp_step import StageShards
+from fastpipe.memory.host_optimizer import HostOptimizer
 from fastpipe.runtime.step import LossSpec, StepRunner
 from fastpipe.runtime.worker import CallerState
 from fastpipe.schedule import Schedule
@@ -57,6 +58,11 @@ class DistributedFitRun(FitRun):
         self.runtime: Any = pipe.runtime
         replicas = self.runtime.replicas
         self.shards: StageShards | None = replicas if isinstance(replicas, StageShards) else None
+        if self.shards is not None and isinstance(self.optimizer, HostOptimizer):
+            raise ValueError(
+                "fastpipe: fit over stages sharded with dp_shard='fsdp' steps each rank's shards, and HostOptimizer "
+                "keeps host copies of whole parameters; give fit the plain optimizer, or use dp_shard='replicate'"
+            )
 
     def _fail(self, exc: BaseException) -> None:
         runtime = self.runtime

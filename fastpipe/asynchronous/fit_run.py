@@ -21,12 +21,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from fastpipe.asynchronous.direction import check_predictable, predict_weights
 from fastpipe.asynchronous.fit_limit import FitMemoryGuard
+from fastpipe.asynchronous.host_steps import check_fit_predictable, device_groups, predict_stage
 from fastpipe.asynchronous.runner import MultistepRunner
 from fastpipe.asynchronous.weights import POLICIES, Predictor, StageWeights
 from fastpipe.asynchronous.window import Split, Window, side_of
-from fastpipe.memory.host_optimizer import HostOptimizer
 from fastpipe.model.side_inputs import check_side_inputs, split_side_inputs
 from fastpipe.rng.streams import draw_step_seed
 from fastpipe.runtime.param_hooks import accumulate_grads
@@ -111,16 +110,10 @@ class FitRun(Iterator[Tensor]):
             )
         if scheduler is not None and scheduler.optimizer is not optimizer:
             raise ValueError("fastpipe: the scheduler drives another optimizer than the one given to fit")
-        if isinstance(optimizer, HostOptimizer):
-            raise ValueError(
-                "fastpipe: fit steps each stage's parameters on their own and cannot drive a HostOptimizer, which "
-                "steps host copies of them all at once; train with train_step() then optimizer.step(), or give fit "
-                "the plain optimizer"
-            )
         if consistency == "predict":
-            check_predictable(optimizer)
+            check_fit_predictable(optimizer)
         owned = {id(p) for st in self.stages.values() for p in st.params}
-        foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
+        foreign = [i for g in device_groups(optimizer) for i, p in enumerate(g) if id(p) not in owned]
         if foreign:
             raise ValueError(
                 f"fastpipe: the optimizer holds parameters that are not trainable parameters of this "
@@ -152,7 +145,7 @@ class FitRun(Iterator[Tensor]):
         )
         self._pending: deque[Tensor] = deque()
         self._lock = threading.Lock()  # one stage steps the shared optimizer at a time
-        self._group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._group_index = {id(p): i for i, g in enumerate(device_groups(optimizer)) for p in g}
         for p in pipe.parameters():
             p.grad = None  # the loop owns the gradients, as after optimizer.zero_grad()
 
@@ -356,7 +349,7 @@ class FitRun(Iterator[Tensor]):
                 sum(row[index[id(p)]] for row in lrs[version : version + lag]) if id(p) in index else 0.0
                 for p in params
             ]
-            return predict_weights(optimizer, params, totals, out)
+            return predict_stage(optimizer, params, totals, out)
 
         return predict
 

@@ -29,8 +29,10 @@ The memory model counts no optimizer state on the device for it
 (:func:`~fastpipe.memory.optimizer.optimizer_factor` answers 0): give it to a pipe's guard with
 ``pipe.memory_guard.optimizer = host_optimizer``.
 
-It suits ``train_step`` (or ``pipe(x)`` and ``backward()``) followed by ``optimizer.step()``.
-``Pipe.fit`` steps one stage's parameters at a time through the optimizer's groups and refuses it.
+It suits ``train_step`` (or ``pipe(x)`` and ``backward()``) followed by ``optimizer.step()``, and
+``fit``, which steps one stage's parameters at a time: a parameter without a gradient is neither
+stepped nor copied, and ``consistency="predict"`` reads the moments on the host
+(:mod:`fastpipe.asynchronous.host_steps`). ``fit`` over stages sharded with FSDP2 refuses it.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 f"{optimizer!r} built {type(inner).__name__}"
             )
         self._grad_buffers: dict[int, Tensor] = {}
+        self._index: dict[int, Tensor] | None = None  # host_of's, built on first use
         super().__init__([{"params": [h for _, h in self._pairs]}], dict(inner.defaults))
         self.inner = inner
         # One set of groups and state, the wrapped optimizer's: a scheduler's lr reaches it.
@@ -122,6 +125,21 @@ class HostOptimizer(torch.optim.Optimizer):
     def device_params(self) -> list[Tensor]:
         """The parameters it steps, on their devices, in order."""
         return [p for p, _ in self._pairs]
+
+    @property
+    def host_params(self) -> list[Tensor]:
+        """The host copies it steps, in the order of :attr:`device_params`."""
+        return [h for _, h in self._pairs]
+
+    def host_of(self, p: Tensor) -> Tensor | None:
+        """The host copy of device parameter ``p`` (None: not one of its parameters).
+
+        It equals ``p`` after each step that updated ``p``; before the first, it is ``p`` as it was
+        when the optimizer was built.
+        """
+        if self._index is None:
+            self._index = {id(d): h for d, h in self._pairs}
+        return self._index.get(id(p))
 
     def host_bytes(self) -> int:
         """Host bytes it holds: the copies, their gradients and the wrapped optimizer's state."""
@@ -141,7 +159,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         """Copy parameters and gradients to the host, step there, and copy the parameters back.
 
-        A parameter without a gradient is skipped by the wrapped optimizer, as it would be on the device.
+        A parameter without a gradient is skipped by the wrapped optimizer, as it would be on the device,
+        and is not copied either way: ``fit`` steps one stage's parameters at a time while other
+        stages compute with theirs.
 
         Raises:
             ValueError: a closure (the loss would have to be recomputed on the device between copies).
@@ -154,14 +174,13 @@ class HostOptimizer(torch.optim.Optimizer):
         for p, h in self._pairs:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("fastpipe: HostOptimizer steps dense gradients; this parameter's gradient is sparse")
-            blocking = not p.is_cuda
-            h.copy_(p, non_blocking=not blocking)
             if p.grad is None:
                 h.grad = None
-            else:
-                buf = self._grad_buffer(p, h)
-                buf.copy_(p.grad, non_blocking=not blocking)
-                h.grad = buf
+                continue
+            h.copy_(p, non_blocking=p.is_cuda)
+            buf = self._grad_buffer(p, h)
+            buf.copy_(p.grad, non_blocking=p.is_cuda)
+            h.grad = buf
             if p.is_cuda:
                 accelerators.add(p.device)
         for device in accelerators:  # the copies above were queued on each device's current stream
@@ -205,6 +224,7 @@ class HostOptimizer(torch.optim.Optimizer):
     def _host_group(self, group: dict[str, Any], seen: set[int]) -> dict[str, Any]:
         """``group`` with host copies of its parameters in their place; each pair joins ``_pairs``."""
         copies = []
+        self._index = None  # host_of's index, rebuilt with this group's pairs
         with host_scope(), torch.no_grad():
             for p in group["params"]:
                 _check(p, seen)

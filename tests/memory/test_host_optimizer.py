@@ -9,9 +9,11 @@ holds parameters and gradients, two times the parameters' bytes where Adam on th
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
+from _dist_utils import check_ok, run_ranks
 from _memory_utils import ProductLoss, install_counter_or_skip
 from torch import nn
 
@@ -176,11 +178,36 @@ def test_a_pipes_guard_given_it_predicts_the_counted_peak() -> None:
     assert abs(counted - device.total) <= 0.05 * device.total, (counted, device)
 
 
-def test_fit_refuses_it_and_says_what_to_do() -> None:
-    pipe = Pipe(_model(), balance=[2, 2], chunks=2)
-    opt = HostOptimizer(torch.optim.Adam, pipe.parameters())
-    with pytest.raises(ValueError, match="train_step"):
-        pipe.fit([_batch()], ProductLoss(), opt)
+@pytest.mark.parametrize("consistency", ["sync", "stash", "stale", "predict"])
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_fit_with_it_equals_fit_with_the_plain_optimizer_bitwise(consistency: str, kind: str) -> None:
+    """fit steps one stage at a time; the host copies of the others are neither read nor written then."""
+    cls, kw = (torch.optim.Adam, dict(lr=1e-2)) if kind == "adam" else (torch.optim.SGD, dict(lr=1e-2, momentum=0.9))
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(6)]
+    runs = []
+    for wrapped in (False, True):
+        pipe = Pipe(_model(), balance=[2, 2], chunks=4, checkpoint="never")
+        opt = HostOptimizer(cls, pipe.parameters(), **kw) if wrapped else cls(pipe.parameters(), **kw)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        losses = list(pipe.fit(batches, ProductLoss(), opt, consistency=consistency, scheduler=scheduler, window=3))
+        runs.append(([float(v) for v in losses], _params(pipe), opt.state_dict()["state"]))
+    (plain_losses, plain, plain_state), (host_losses, host, host_state) = runs
+    assert plain_losses == host_losses
+    assert all(torch.equal(p, q) for p, q in zip(plain, host))
+    assert plain_state.keys() == host_state.keys()
+    for i, s in plain_state.items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(host_state[i][k])) for k, v in s.items())
+
+
+def test_fit_holds_no_optimizer_state_on_the_device() -> None:
+    pipe = Pipe(_model(), balance=[2, 2], chunks=2, checkpoint="never")
+    opt = HostOptimizer(torch.optim.Adam, pipe.parameters(), lr=1e-2)
+    run = pipe.fit([_batch()] * 2, ProductLoss(), opt, window=1, memory_limit="1GiB")
+    list(run)
+    assert run.memory_guard is not None and all(d.optimizer == 0 for d in run.memory_guard.last)
+    assert all(t.device.type == "cpu" and t.data_ptr() not in {p.data_ptr() for p in pipe.parameters()}
+               for s in opt.state.values() for t in s.values() if t.dim())  # fmt: skip
 
 
 def test_bad_input_is_refused_with_what_to_change() -> None:
@@ -211,3 +238,27 @@ def test_a_group_added_later_is_stepped_with_its_own_settings() -> None:
         ProductLoss()(m(x), y).backward()
         o.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _fit_on_ranks(rank: int, world: int) -> dict[str, Any]:
+    from fastpipe import DistributedPipe
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(4)]
+    out: dict[str, Any] = {}
+    for wrapped in (False, True):
+        pipe = DistributedPipe(_model(), [2, 2], chunks=4, checkpoint="never")
+        params = list(pipe.parameters())
+        opt = HostOptimizer(torch.optim.Adam, params, lr=1e-2) if wrapped else torch.optim.Adam(params, lr=1e-2)
+        mine = [(x if pipe.is_first else None, y if pipe.is_last else None) for x, y in batches]
+        losses = [float(v) for v in pipe.fit(mine, ProductLoss(), opt, consistency="predict", window=2)]
+        out[str(wrapped)] = (losses, _params(pipe))
+        pipe.close()
+    return out
+
+
+def test_distributed_fit_with_it_equals_the_plain_optimizer_bitwise() -> None:
+    for r in check_ok(run_ranks(_fit_on_ranks, 2, timeout=120)):
+        (plain_losses, plain), (host_losses, host) = r["False"], r["True"]
+        assert plain_losses == host_losses
+        assert all(torch.equal(p, q) for p, q in zip(plain, host))
