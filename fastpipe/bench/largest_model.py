@@ -1,4 +1,11 @@
-"""The GPT family of the largest-model benchmark: ``[Embedding, Block x N, Head]`` and its cut into stages."""
+"""The GPT family of the largest-model benchmark: ``[Embedding, Block x N, Head]`` and its cut into stages.
+
+Nothing in it draws random numbers, and each layer says so (``fastpipe_may_draw = False``, the
+declaration :mod:`fastpipe.rng.registry` reads), as the GPT of ``fastpipe train`` does: without
+it fastpipe cannot see through a custom ``forward`` and routes every op of the stage through its
+task RNG, which cost every rank 60-120 ms of CPU per step here (2026-12-02, 4 gloo ranks, N = 54).
+The declaration changes nothing for the other systems.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ __all__ = ["Block", "Embedding", "Head", "TokenLoss", "build_layer", "layer_coun
 class Embedding(nn.Module):
     """Token plus learned position embeddings: ids ``[B, T]`` to ``[B, T, D]``."""
 
+    fastpipe_may_draw = False  # no dropout: fastpipe's task RNG need not route its ops (fastpipe.rng.registry)
+
     def __init__(self, vocab: int, seq: int, width: int) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
@@ -26,6 +35,8 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     """A pre-norm GPT block: causal attention (SDPA) and a 4x GELU MLP, both residual."""
+
+    fastpipe_may_draw = False  # no dropout: fastpipe's task RNG need not route its ops (fastpipe.rng.registry)
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -49,6 +60,8 @@ class Block(nn.Module):
 class _Recomputed(nn.Module):
     """A block under ``torch.utils.checkpoint``: only its input is kept, the rest is recomputed in backward."""
 
+    fastpipe_may_draw = False  # no dropout: fastpipe's task RNG need not route its ops (fastpipe.rng.registry)
+
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
@@ -62,6 +75,8 @@ class _Recomputed(nn.Module):
 class Head(nn.Module):
     """The final LayerNorm and the projection to the vocabulary: the logits ``[B, T, V]``."""
 
+    fastpipe_may_draw = False  # no dropout: fastpipe's task RNG need not route its ops (fastpipe.rng.registry)
+
     def __init__(self, width: int, vocab: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
@@ -73,6 +88,8 @@ class Head(nn.Module):
 
 class TokenLoss(nn.Module):
     """Mean next-token cross-entropy over every token of the logits."""
+
+    fastpipe_may_draw = False  # no dropout: fastpipe's task RNG need not route its ops (fastpipe.rng.registry)
 
     reduction = "mean"
 
