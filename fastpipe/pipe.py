@@ -145,12 +145,8 @@ class Pipe(nn.Module):
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"fastpipe: virtual_stages must be an int (stages per worker), got {virtual_stages!r}")
         check_chunks(chunks)
-        switches: dict[str, Any] = {
-            "fused_wgrad": fused_wgrad,
-            "wgrad_batch": wgrad_batch,
-            "wgrad_fuse_min": wgrad_fuse_min,
-        }
-        options = RuntimeOptions.resolve(**switches, tune_malloc=tune_malloc)
+        options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc,
+                                         wgrad_fuse_min=wgrad_fuse_min)  # fmt: skip
         given: dict[str, Any] = {"devices": devices, "sample": sample, "memory_limit": memory_limit}
         settings = resolve_settings(
             module, balance, schedule, checkpoint, offload, chunks=chunks, virtual_stages=virtual_stages,
