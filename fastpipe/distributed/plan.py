@@ -96,22 +96,25 @@ def plan_for_ranks(
     """
     ranks = dist.get_world_size(group)
     outcome: tuple[str, Any] = ("none", None)
+    failure: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
-            outcome = (
-                "plan",
-                _plan(
-                    module, schedule, checkpoint, sample, side_inputs, memory_limit, chunks, ranks, device, wgrad_batch
-                ),
-            )
-        except (ValueError, TypeError, BalanceError) as exc:
-            outcome = ("error", exc)
+            args = (module, schedule, checkpoint, sample, side_inputs, memory_limit, chunks, ranks, device)
+            outcome = ("plan", _plan(*args, wgrad_batch))
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+            failure = exc
+            # The class travels only where it is one the other ranks can rebuild from a message.
+            kind = type(exc) if type(exc) in (ValueError, TypeError, BalanceError) else RuntimeError
+            outcome = ("error", (kind, f"{type(exc).__name__} on the planning rank: {exc}"))
     outcome = gather_objects(outcome, group, "sharing the pipeline's plan", timeout)[0]
     if dp_group is not None:  # every replica builds the first replica's pipeline
         outcome = gather_objects(outcome, dp_group, "sharing the pipeline's plan over the replicas", timeout)[0]
-    kind, found = outcome
-    if kind == "error":
-        raise found
+    what, found = outcome
+    if failure is not None:
+        raise failure
+    if what == "error":
+        kind, message = found
+        raise kind(message)
     assert isinstance(found, RankPlan)
     return found
 

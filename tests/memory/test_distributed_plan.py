@@ -96,7 +96,8 @@ def test_one_rank_plans_and_every_rank_builds_it_within_the_limit() -> None:
         assert tight["settings"] != ranks[0]["free"][:3], tight["table"]
         assert tight["counted"] <= tight["limit"], (tight["counted"], tight["limit"], tight["table"])
         assert "memory_limit=4.00 KiB" in r["tiny"] and "needs at least" in r["tiny"], r["tiny"]
-        assert r["tiny"] == ranks[0]["tiny"]  # raised on every rank, with the planning rank's message
+        planning = ranks[0]["tiny"].split(": ", 1)[1]
+        assert planning in r["tiny"]  # raised on every rank, with the planning rank's message
         assert "sample=" in r["no_sample"], r["no_sample"]
 
 
