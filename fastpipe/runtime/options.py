@@ -108,9 +108,9 @@ class RuntimeOptions:
         if fused_wgrad is None:
             fused_wgrad = _env_flag("fused_wgrad")
         if wgrad_batch is None:
-            wgrad_batch = _env_batch("wgrad_batch")
+            wgrad_batch = _env_whole("wgrad_batch", 1, "a whole number >= 1 (1: no batching)")
         if wgrad_fuse_min is None:
-            wgrad_fuse_min = _env_count("wgrad_fuse_min")
+            wgrad_fuse_min = _env_whole("wgrad_fuse_min", 0, "a whole number >= 0")
         if tune_malloc is None:
             tune_malloc = _env_flag("tune_malloc")
         if p2p is None:
@@ -134,7 +134,7 @@ class RuntimeOptions:
 
 def fuse_min_on(device: torch.device, given: int | None = None) -> int:
     """``wgrad_fuse_min`` on ``device`` as a pipe built now would take it: ``given``, its variable, the default."""
-    least = given if given is not None else _env_count("wgrad_fuse_min")
+    least = given if given is not None else _env_whole("wgrad_fuse_min", 0, "a whole number >= 0")
     return least if least is not None else default_fuse_min(device)
 
 
@@ -154,30 +154,18 @@ def _env_flag(name: str) -> bool | None:
     return None if text is None else text == "1"
 
 
-def _env_batch(name: str) -> int | None:
+def _env_whole(name: str, least: int, accepted: str) -> int | None:
+    """The whole number in ``name``'s variable, at least ``least``, or None where it is unset."""
     text = _env_text(name)
     if text is None:
         return None
     try:
-        width = int(text)
+        value = int(text)
     except ValueError:
-        width = 0
-    if width < 1:
-        raise _refused(name, "a whole number >= 1 (1: no batching)", text)
-    return width
-
-
-def _env_count(name: str) -> int | None:
-    text = _env_text(name)
-    if text is None:
-        return None
-    try:
-        count = int(text)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise _refused(name, "a whole number >= 0", text)
-    return count
+        value = least - 1
+    if value < least:
+        raise _refused(name, accepted, text)
+    return value
 
 
 def _env_p2p(name: str) -> P2P | None:
