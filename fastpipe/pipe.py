@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from fastpipe.asynchronous.fit_run import FitRun
 from fastpipe.memory.offload import OffloadSpec, PipeOffload
+from fastpipe.memory.optimizer import OptimizerSpec
 from fastpipe.memory.planner_pipe import DEFAULT_CHECKPOINT, resolve_settings
 from fastpipe.memory.recompute import PipeRecompute
 from fastpipe.model.batchnorm import DeferredBatchNorm, commit_deferred_batch_norm
@@ -104,6 +105,8 @@ class Pipe(nn.Module):
         wgrad_batch: micro-batches per GEMM of deferred Linear weight gradients (default 2 on CPU, 1 on GPU).
         tune_malloc: on CPU stages, keep freed activations in the process for reuse (default True). Where
             one of these four is None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
+        optimizer_state: the optimizer state that ``memory_limit`` and the planners count per device: ``"adam"``
+            (default), ``"sgd"``, ``"momentum"``, ``"host"`` (a :class:`fastpipe.HostOptimizer`), or bytes per byte.
         process_group, mesh: refused: :class:`fastpipe.DistributedPipe` runs one stage per process (``torchrun``).
 
     Raises:
@@ -135,6 +138,7 @@ class Pipe(nn.Module):
         wgrad_batch: int | None = None,
         tune_malloc: bool | None = None,
         wgrad_fuse_min: int | None = None,
+        optimizer_state: OptimizerSpec = "adam",
         process_group: Any = None,
         mesh: Any = None,
     ) -> None:
@@ -147,7 +151,8 @@ class Pipe(nn.Module):
         check_chunks(chunks)
         options = RuntimeOptions.resolve(fused_wgrad=fused_wgrad, wgrad_batch=wgrad_batch, tune_malloc=tune_malloc,
                                          wgrad_fuse_min=wgrad_fuse_min)  # fmt: skip
-        given: dict[str, Any] = {"devices": devices, "sample": sample, "memory_limit": memory_limit}
+        given: dict[str, Any] = {"devices": devices, "sample": sample, "memory_limit": memory_limit,
+                                 "optimizer": optimizer_state}  # fmt: skip
         settings = resolve_settings(
             module, balance, schedule, checkpoint, offload, chunks=chunks, virtual_stages=virtual_stages,
             side_inputs=sample_side_inputs, wgrad_batch=options.wgrad_batch, **given
@@ -156,18 +161,13 @@ class Pipe(nn.Module):
         schedule, virtual_stages, offload = settings.schedule, settings.virtual_stages, settings.offload
         balance = check_balance(settings.balance, len(module))
         device_list = resolve_devices(stage_devices(devices, len(balance), schedule, virtual_stages), len(balance))
-        self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages)
+        self.auto_schedule = pipe_auto_schedule(schedule, len(balance), virtual_stages, optimizer_state)
         warn_unpipelined(chunks, len(balance), len(balance) // virtual_stages)
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert(module)  # type: ignore[assignment]
 
-        self.balance = balance
-        self.devices = device_list
-        self.chunks = chunks
-        self.deferred_batch_norm = deferred_batch_norm
-        self.trace = trace
-        self.schedule = schedule
-        self.virtual_stages = virtual_stages
+        self.balance, self.devices, self.chunks, self.trace = balance, device_list, chunks, trace
+        self.deferred_batch_norm, self.schedule, self.virtual_stages = deferred_batch_norm, schedule, virtual_stages
         self.last_timeline: Timeline | None = None
 
         # The layers under their own names (the Sequential's state_dict keys); stages stay a plain list.
@@ -178,7 +178,7 @@ class Pipe(nn.Module):
             stage.to(device)
         self._stages = [Stage(m, d, first_layer_in_place(m), options) for m, d in zip(stage_modules, device_list)]
         self._ties = TiedWeights(ties, [s.params for s in self._stages])
-        self._recompute = PipeRecompute(self.checkpoint, self._stages, memory_limit)
+        self._recompute = PipeRecompute(self.checkpoint, self._stages, memory_limit, optimizer_state)
         self.memory_guard = self._recompute.guard
         self._offload = PipeOffload(offload, self._stages, self.memory_guard)
         self._runtime = LocalRuntime(self._stages, tune_malloc=options.tune_malloc)

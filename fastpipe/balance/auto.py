@@ -241,12 +241,13 @@ def resolve_balance(
     side_inputs: Mapping[str, Any] | None = None,
     checkpoint: object = "never",
     wgrad_batch: int | None = None,
+    optimizer: OptimizerSpec = "adam",
 ) -> object:
     """What ``Pipe``'s ``balance=`` asks for: a list as given (``check_balance`` checks it) or the one "auto" plans.
 
     ``side_inputs`` are the sample's side inputs (``Pipe``'s ``sample_side_inputs=``), by name, for the
-    layers that declare them; ``checkpoint`` and ``wgrad_batch`` the pipe's, which its memory counts
-    under ``memory_limit``.
+    layers that declare them; ``checkpoint``, ``wgrad_batch`` and ``optimizer`` the pipe's, which its
+    memory counts under ``memory_limit``.
 
     Raises:
         TypeError: ``balance`` is missing or another string, or ``sample``/``memory_limit``/
@@ -280,4 +281,5 @@ def resolve_balance(
         side_inputs=side_inputs,
         checkpoint=checkpoint,
         wgrad_batch=wgrad_batch,
+        optimizer=optimizer,
     )

@@ -26,8 +26,8 @@ Where the bytes are:
   accelerator would hold.
 
 The memory model counts no optimizer state on the device for it
-(:func:`~fastpipe.memory.optimizer.optimizer_factor` answers 0): give it to a pipe's guard with
-``pipe.memory_guard.optimizer = host_optimizer``.
+(:func:`~fastpipe.memory.optimizer.optimizer_factor` answers 0): build the pipe with
+``optimizer_state="host"``, so that its planners and its guard count none.
 
 It suits ``train_step`` (or ``pipe(x)`` and ``backward()``) followed by ``optimizer.step()``, and
 ``fit``, which steps one stage's parameters at a time: a parameter without a gradient is neither

@@ -11,7 +11,8 @@ __all__ = ["OptimizerSpec", "optimizer_factor"]
 OptimizerSpec = torch.optim.Optimizer | str | float | None
 
 # State tensors per parameter byte, by name (torch keeps the moments in the parameter's dtype).
-_FACTORS = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# "host": a HostOptimizer, whose state stays in host memory.
+_FACTORS = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0, "host": 0.0}
 
 
 def optimizer_factor(optimizer: OptimizerSpec) -> float:
@@ -19,7 +20,8 @@ def optimizer_factor(optimizer: OptimizerSpec) -> float:
 
     Args:
         optimizer: ``None`` or ``"none"`` (0), ``"sgd"`` (0, no momentum), ``"momentum"`` (1),
-            ``"adam"`` or ``"adamw"`` (2: two moments in the parameters' dtype); a number (that
+            ``"adam"`` or ``"adamw"`` (2: two moments in the parameters' dtype), ``"host"`` (0: a
+            :class:`~fastpipe.memory.host_optimizer.HostOptimizer` to come); a number (that
             factor, for an optimizer of your own); a
             :class:`~fastpipe.memory.host_optimizer.HostOptimizer` (0: its state is on the host);
             or a ``torch.optim.Optimizer``: Adam and

@@ -23,6 +23,7 @@ from torch import nn
 from fastpipe.balance.auto import _one_microbatch, _stage_count, resolve_balance
 from fastpipe.balance.planner import BalanceError
 from fastpipe.memory.offload import OffloadSpec
+from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.planner import Plan, plan_memory
 from fastpipe.memory.planner_profile import measure_plan_profile
 from fastpipe.memory.sizes import parse_bytes
@@ -92,14 +93,18 @@ def resolve_settings(
     virtual_stages: int,
     side_inputs: Mapping[str, Any] | None,
     wgrad_batch: int | None,
+    optimizer: OptimizerSpec = "adam",
 ) -> PipeSettings:
     """``Pipe``'s settings resolved: by the planner (see the module), or the balance alone.
+
+    ``optimizer`` is the state the planner counts per device (:func:`~fastpipe.memory.optimizer.optimizer_factor`).
 
     Raises:
         ValueError: a bad setting, or nothing fits the limit (naming the device and the least it needs).
         TypeError: ``balance`` or ``sample`` as :func:`~fastpipe.balance.auto.resolve_balance` refuses them.
         fastpipe.balance.BalanceError: the stage count is unknown, or there are fewer layers than stages.
     """
+    optimizer_factor(optimizer)  # a bad one is refused whether or not a limit reads it
     setting = checkpoint_setting(default_checkpoint(checkpoint, memory_limit))
     auto_offload = isinstance(offload, str) and offload == "auto"
     autos = [is_auto(schedule), setting == "auto", auto_offload]
@@ -116,6 +121,7 @@ def resolve_settings(
             virtual_stages=virtual_stages,
             checkpoint=setting,
             wgrad_batch=wgrad_batch,
+            optimizer=optimizer,
         )
         return PipeSettings(resolved, schedule, virtual_stages, setting, offload, None)
     if sample is None:
@@ -146,6 +152,7 @@ def resolve_settings(
         schedules=SCHEDULES if is_auto(schedule) else [str(schedule).lower().replace("_", "-")],
         virtual_stages=None if is_auto(schedule) else virtual_stages,
         checkpoints=None if fixed is None else [fixed],
+        optimizer=optimizer,
     )
     c = found.chosen
     return PipeSettings(

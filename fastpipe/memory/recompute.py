@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from fastpipe.memory.limit import MemoryGuard, over_limit, refusal
-from fastpipe.memory.model import DeviceMemory
+from fastpipe.memory.model import DeviceMemory, OptimizerSpec
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.runtime.selective import set_regions
 from fastpipe.runtime.stage import Stage
@@ -49,12 +49,19 @@ class PipeRecompute:
             at once, so a part that no layer has is refused when the pipe is built.
         stages: the pipe's stages.
         memory_limit: the pipe's ``memory_limit`` (None: no guard).
+        optimizer: the optimizer state the guard counts (:func:`~fastpipe.memory.optimizer.optimizer_factor`).
     """
 
-    def __init__(self, setting: object, stages: Sequence[Stage], memory_limit: float | str | None) -> None:
+    def __init__(
+        self,
+        setting: object,
+        stages: Sequence[Stage],
+        memory_limit: float | str | None,
+        optimizer: OptimizerSpec = "adam",
+    ) -> None:
         self.stages = list(stages)
         options = self.stages[0].options if self.stages else None
-        self.guard = None if memory_limit is None else MemoryGuard(memory_limit, options=options)
+        self.guard = None if memory_limit is None else MemoryGuard(memory_limit, optimizer, options)
         #: What the last step ran: the pipe's setting, or ``"auto"``'s choice (None before its first step).
         self.chosen: str | Recompute | None = None
         self._applied: str | Recompute = "never"

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from fastpipe.memory.optimizer import OptimizerSpec
 from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.builders import STAGES_PER_WORKER, build_for
 from fastpipe.step.auto_schedule import AutoRun, AutoSchedule, is_auto
@@ -330,11 +331,13 @@ def given_schedule(schedule: Schedule, stages: int, microbatches: int) -> Schedu
     return schedule
 
 
-def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> AutoSchedule:
+def pipe_auto_schedule(
+    schedule: object, stages: int, virtual_stages: int, optimizer: OptimizerSpec = "adam"
+) -> AutoSchedule:
     """Checks ``Pipe``'s ``schedule`` and ``virtual_stages`` at construction, not at the first step.
 
     Returns the pipe's :class:`~fastpipe.step.auto_schedule.AutoSchedule`: the one given, else a new one
-    that ``schedule="auto"`` (also in ``train_step``) searches with.
+    that ``schedule="auto"`` (also in ``train_step``) searches with, counting ``optimizer``'s state.
 
     Raises:
         ValueError: an unknown schedule, virtual stages it cannot take, or ``virtual_stages`` with
@@ -345,9 +348,9 @@ def pipe_auto_schedule(schedule: object, stages: int, virtual_stages: int) -> Au
             raise ValueError(
                 f"fastpipe: schedule='auto' picks the stages per worker itself; drop virtual_stages={virtual_stages}"
             )
-        return schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
+        return schedule if isinstance(schedule, AutoSchedule) else AutoSchedule(optimizer=optimizer)
     if not isinstance(schedule, str):
         raise TypeError(f"fastpipe: schedule must be a schedule's name, 'auto' or an AutoSchedule, got {schedule!r}")
     # 2 x workers micro-batches satisfy every builder (dualpipev needs at least that many).
     pipe_schedule(schedule, stages, 2 * max(stages // max(virtual_stages, 1), 1), virtual_stages)
-    return AutoSchedule()
+    return AutoSchedule(optimizer=optimizer)

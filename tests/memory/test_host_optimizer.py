@@ -161,10 +161,10 @@ def test_a_pipes_guard_given_it_predicts_the_counted_peak() -> None:
     base = _cpu_counter.allocated()  # whatever the process holds already (earlier tests') is not the pipe's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 8))
-    pipe = Pipe(model, balance=[5], chunks=4, checkpoint="never", schedule="1f1b", memory_limit="1GiB")
+    pipe = Pipe(model, balance=[5], chunks=4, checkpoint="never", schedule="1f1b", memory_limit="1GiB",
+                optimizer_state="host")  # fmt: skip
     opt = HostOptimizer(torch.optim.Adam, pipe.parameters(), lr=1e-3, foreach=False)
     assert pipe.memory_guard is not None
-    pipe.memory_guard.optimizer = opt
     loss_fn = ProductLoss()
     for _ in range(2):  # the first step measures the stages; the second is the one metered
         gc.collect()

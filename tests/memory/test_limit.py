@@ -78,3 +78,26 @@ def test_a_limit_takes_sizes_as_people_write_them(limit: object) -> None:
 def test_a_malformed_limit_is_refused_when_the_pipe_is_built(limit: object) -> None:
     with pytest.raises(ValueError, match="GiB"):
         Pipe(model(), [3, 2], chunks=M, memory_limit=limit)  # type: ignore[arg-type]
+
+
+def test_optimizer_state_host_counts_no_state_so_a_limit_adam_exceeds_fits() -> None:
+    def guarded(limit: object, state: str) -> list:
+        pipe = Pipe(model(), [3, 2], chunks=M, memory_limit=limit, checkpoint="never", optimizer_state=state)
+        try:
+            pipe.train_step(*data(), ProductLoss())
+            return pipe.memory_guard.last  # type: ignore[union-attr]
+        finally:
+            pipe.close()
+
+    adam, host = guarded("1TiB", "adam"), guarded("1TiB", "host")
+    assert all(d.optimizer == 2 * d.parameters for d in adam) and all(d.optimizer == 0 for d in host)
+    limit = int(max(d.total for d in host) * (1 + MARGIN)) + 1
+    assert limit < max(d.total for d in adam)
+    with pytest.raises(ValueError, match="optimizer"):
+        guarded(limit, "adam")
+    assert max(d.total for d in guarded(limit, "host")) == max(d.total for d in host)
+
+
+def test_an_unknown_optimizer_state_is_refused_when_the_pipe_is_built() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'.*'host'"):
+        Pipe(model(), [3, 2], chunks=M, optimizer_state="lion")

@@ -115,3 +115,16 @@ def test_one_auto_alone_resolves_on_its_own_path(monkeypatch: pytest.MonkeyPatch
 def test_a_limit_below_every_combination_is_refused_when_the_pipe_is_built() -> None:
     with pytest.raises(ValueError, match=r"stage 0 needs at least .*: parameters"):
         planned("64KiB")
+
+
+def test_the_planner_and_auto_schedule_count_the_optimizer_state_the_pipe_is_told_of() -> None:
+    x, _ = data()
+    for state, factor in (("adam", 2), ("host", 0)):
+        pipe = Pipe(blocks(), "auto", devices=["cpu"] * 2, chunks=M, sample=x, memory_limit="1GiB",
+                    schedule="auto", optimizer_state=state)  # fmt: skip
+        try:
+            assert pipe.plan is not None and pipe.auto_schedule.optimizer == state
+            assert all(d.optimizer == factor * d.parameters > 0 or d.optimizer == factor == 0
+                       for d in pipe.plan.chosen.devices)  # fmt: skip
+        finally:
+            pipe.close()
