@@ -63,6 +63,7 @@ def plan_memory(
     schedules: Sequence[str] = SCHEDULES,
     virtual_stages: int | None = None,
     checkpoints: Sequence[str | Recompute] | None = None,
+    transport: str = "local",
 ) -> Plan:
     """The fastest combination of balance, schedule, recompute and offload whose every device fits.
 
@@ -82,6 +83,8 @@ def plan_memory(
         virtual_stages: consider only schedules of this many stages per worker; None: every number.
         checkpoints: the recompute settings to consider (whole-stage modes, and policies of
             ``profile.policies``); None: all of them.
+        transport: how values reach the stages (:data:`~fastpipe.memory.receive_buffers.TRANSPORTS`):
+            ``"local"`` for a :class:`~fastpipe.Pipe`; a ``DistributedPipe``'s receive buffers count too.
 
     Raises:
         ValueError: nothing fits; names the fullest device of the leanest combination, its stages and
@@ -116,7 +119,7 @@ def plan_memory(
             ran = [c for c in ran if c.virtual_stages == virtual_stages]
         pairs += [(c.time, balance, c, costs) for c in ran]
     pairs.sort(key=lambda p: p[0])
-    judge = Judge(profile, memory_limit, optimizer, wgrad_batch, input_grad)
+    judge = Judge(profile, memory_limit, optimizer, wgrad_batch, input_grad, transport)
     considered: list[Combination] = []
     best, pruned = math.inf, 0
     for bare, balance, candidate, costs in pairs:

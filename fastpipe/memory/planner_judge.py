@@ -12,6 +12,7 @@ from fastpipe.memory.limit import MARGIN, over_limit
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, optimizer_factor, predict_memory
 from fastpipe.memory.offload_bytes import copy_costs
 from fastpipe.memory.planner_types import Combination, PlanProfile
+from fastpipe.memory.receive_buffers import buffered_stages, receive_buffer_bytes
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.model.skip_memory import SkipSpan
 from fastpipe.schedule import build
@@ -38,12 +39,20 @@ class Judge:
         optimizer: the optimizer whose state a device holds.
         wgrad_batch: micro-batches per batched ``W``.
         input_grad: whether the pipe's input needs a gradient.
+        transport: how values reach the stages (:data:`~fastpipe.memory.receive_buffers.TRANSPORTS`),
+            whose receive buffers a device holds too.
     """
 
     def __init__(
-        self, profile: PlanProfile, limit: int | None, optimizer: OptimizerSpec, wgrad_batch: int, input_grad: bool
+        self,
+        profile: PlanProfile,
+        limit: int | None,
+        optimizer: OptimizerSpec,
+        wgrad_batch: int,
+        input_grad: bool,
+        transport: str = "local",
     ) -> None:
-        self.profile, self.limit = profile, limit
+        self.profile, self.limit, self.transport = profile, limit, transport
         self.kw = {"optimizer": optimizer, "wgrad_batch": wgrad_batch, "input_grad": input_grad}
         # By the schedule's identity (hashing a schedule walks all its actions), the schedule kept alive.
         self._built: dict[tuple[int, frozenset[int]], tuple[Schedule, Schedule]] = {}
@@ -99,7 +108,16 @@ class Judge:
         if id(built) not in self._times:  # unit costs, and a U that takes time, as the step's guard predicts
             self._times[id(built)] = (built, simulate_times(built, update=1.0))
         times = self._times[id(built)][1]
-        return predict_memory(built, taken, times=times, checkpoint=mode, **self.kw)  # type: ignore[arg-type]
+        buffers = receive_buffer_bytes(built, taken, self.transport)
+        taken = buffered_stages(built, taken, self.transport)
+        return predict_memory(
+            built,
+            taken,
+            times=times,
+            checkpoint=mode,
+            receive_buffers=buffers,
+            **self.kw,  # type: ignore[arg-type]
+        )
 
     def _offload(self, schedule: Schedule, stages: list[StageBytes], setting: str | Recompute) -> list[float]:
         """Per device the least eighth whose prediction fits (all stages at that share), or none if the

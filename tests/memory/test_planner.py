@@ -125,3 +125,17 @@ def test_the_default_balances_and_schedules_plan_8_stages_of_32_chunks() -> None
 def test_a_profile_with_a_length_that_is_not_one_per_layer_is_refused() -> None:
     with pytest.raises(ValueError, match="one entry per layer"):
         PlanProfile(forward=(1.0,) * 3, backward=(2.0,) * 4, layers=(LAYER,) * 4)
+
+
+def test_a_distributed_transport_s_receive_buffers_count_toward_the_limit() -> None:
+    from fastpipe.distributed.wire import HEADER
+
+    local, tags = planned(None), planned(None, transport="tags")
+    assert (local.chosen.schedule, tags.chosen.schedule) == ("gpipe", "gpipe")
+    for a, b in zip(local.chosen.devices, tags.chosen.devices):
+        assert a.receive_buffers == 0 and b.receive_buffers >= 4 * HEADER and b.total > a.total
+    lean = planned(None, transport="tags", schedules=("1f1b",)).chosen
+    limit = int(max(d.total for d in lean.devices) * (1 + MARGIN)) + 1  # 1f1b fits with its buffers, gpipe not
+    assert planned(limit).chosen.schedule == "gpipe"  # which fits without them
+    chosen = planned(limit, transport="tags").chosen
+    assert chosen.schedule == "1f1b" and all(d.total * (1 + MARGIN) <= limit for d in chosen.devices)
