@@ -34,14 +34,17 @@ from fastpipe.distributed.backend import rank_device
 from fastpipe.distributed.fsdp import check_dp_shard, shard_pipe, state_bytes
 from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
 from fastpipe.distributed.plan import check_balance_given, plan_for_ranks
+from fastpipe.distributed.rank_offload import RankOffload
 from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.distributed.rank_step import rank_step
-from fastpipe.distributed.ranks import check_same_settings, gather_objects, pipeline_groups
+from fastpipe.distributed.ranks import check_same_settings, gather_objects, order_matched, pipeline_groups
 from fastpipe.distributed.runtime import DEFAULT_TIMEOUT, DistributedRuntime
 from fastpipe.distributed.step_outcome import apply_outcome
 from fastpipe.distributed.tie_group import RankTies
 from fastpipe.distributed.watchdog import FIRST_STEP_TIMEOUT
 from fastpipe.errors import PipelineError
+from fastpipe.memory.offload import OffloadSpec
+from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.planner import Plan
 from fastpipe.model.batchnorm import DeferredBatchNorm
 from fastpipe.model.partition import check_balance, check_module, first_layer_in_place
@@ -105,6 +108,9 @@ class DistributedPipe(nn.Module):
         fused_wgrad, wgrad_batch, tune_malloc, wgrad_fuse_min: as for :class:`fastpipe.Pipe`. Where one of these is
             None, its ``FASTPIPE_*`` variable is read here (:mod:`fastpipe.runtime.options`).
         memory_limit: bytes per device (or ``"24GiB"``), checked on every rank before a step runs.
+        optimizer_state: the optimizer state per device that ``memory_limit`` counts, as for :class:`fastpipe.Pipe`.
+        offload: saved activations kept in host memory, as for :class:`fastpipe.Pipe`; a list has one entry per
+            stage of the whole pipeline (:mod:`fastpipe.distributed.rank_offload`). ``train_step`` only.
         sample, sample_side_inputs: with ``balance="auto"``: a mini-batch like the real ones (read on the
             first rank) and its side inputs.
 
@@ -144,6 +150,8 @@ class DistributedPipe(nn.Module):
         memory_limit: float | str | None = None,
         sample: Value | None = None,
         sample_side_inputs: dict[str, Any] | None = None,
+        optimizer_state: OptimizerSpec = "adam",
+        offload: OffloadSpec = None,
         _stage_modules: dict[int, nn.Sequential] | None = None,
         _ties: Sequence[Sequence[str]] = (),
     ) -> None:
@@ -152,6 +160,7 @@ class DistributedPipe(nn.Module):
         if on_nan not in ("raise", "skip"):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
+        state_factor = optimizer_factor(optimizer_state)  # a bad one is refused with or without a limit
         if checkpoint != "auto":
             check_checkpoint(checkpoint)
         self.plan: Plan | None = None
@@ -162,12 +171,16 @@ class DistributedPipe(nn.Module):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = rank_device(group, device)
         if isinstance(balance, str):  # "auto", with the whole model (check_balance_given)
+            backend = dist.get_backend(group)
             found = plan_for_ranks(check_module(cast(nn.Sequential, module)), schedule, str(checkpoint),
                                    sample=sample, side_inputs=sample_side_inputs, memory_limit=memory_limit,
                                    chunks=chunks, device=self.device, wgrad_batch=opts.wgrad_batch_on(self.device),
-                                   group=group, dp_group=dp, timeout=timeout)  # fmt: skip
+                                   group=group, dp_group=dp, timeout=timeout, optimizer=optimizer_state,
+                                   transport="ordered" if order_matched(backend, opts.p2p) else "tags",
+                                   offload=isinstance(offload, str) and offload == "auto")  # fmt: skip
             balance, schedule, self.plan = found.balance, found.schedule, found.plan
             checkpoint = cast(Checkpoint, found.checkpoint)
+            offload = found.offload if isinstance(offload, str) and offload == "auto" else offload
         balance = list(cast(Sequence[int], balance))
         if len(balance) % size:
             raise ValueError(f"fastpipe: {len(balance)} stages do not spread over {size} pipeline ranks")
@@ -185,10 +198,10 @@ class DistributedPipe(nn.Module):
             built = declared_stages(_stage_modules, _ties, self.device)
         build_for(schedule, len(balance), size, chunks)  # fail early on a bad combination
         self.balance, self.chunks, self.schedule, self.checkpoint = balance, chunks, schedule, checkpoint
-        self.deferred_batch_norm, self.on_nan = deferred_batch_norm, on_nan
-        self.group, self.dp_group = group, dp
+        self.deferred_batch_norm, self.on_nan, self.group, self.dp_group = deferred_batch_norm, on_nan, group, dp
         self.last_timeline: Timeline | None = None
-        self.memory_guard = None if memory_limit is None else RankMemoryGuard(memory_limit, dp_shard=dp_shard)
+        guard = None if memory_limit is None else RankMemoryGuard(memory_limit, optimizer_state, dp_shard=dp_shard)
+        self.memory_guard = guard
         for name, layer in built.layers:  # each tied tensor once: the Sequential's keys
             self.add_module(name, layer)
         self._stages = stages = {
@@ -196,18 +209,12 @@ class DistributedPipe(nn.Module):
         }
         kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
         kw["first_step_timeout"] = first_step_timeout
+        self._offload = RankOffload(offload, stages, balance, guard is not None)
         self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
-        settings = {
-            "balance": balance,
-            "chunks": chunks,
-            "schedule": schedule,
-            "checkpoint": checkpoint,
-            "deferred_batch_norm": deferred_batch_norm,
-            "on_nan": on_nan,
-            "dp_shard": dp_shard,
-            "ties": built.expected,
-            "memory_limit": None if self.memory_guard is None else self.memory_guard.limit,
-        }
+        settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+                    "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan, "dp_shard": dp_shard,
+                    "ties": built.expected, "memory_limit": None if guard is None else guard.limit,
+                    "optimizer_state": state_factor}  # fmt: skip
         control = self._runtime.control_group
         for among, what in [(control, "pipeline")] + ([] if dp is None else [(dp, "data-parallel")]):
             check_same_settings(settings, among, what, timeout)
@@ -350,7 +357,7 @@ class DistributedPipe(nn.Module):
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0
         self._ties.refresh()
         outcome = runtime.train(
-            step.schedule,
+            self._offload.prefetch(step.schedule),
             step.microbatches,
             LossSpec(microbatch_loss(loss_fn, step.targets), step.targets, [w * scale for w in step.weights]),
             checkpoint=checkpoint,
@@ -383,17 +390,8 @@ class DistributedPipe(nn.Module):
         :meth:`train_step`). It refuses tied weights across stages (each stage updates on its
         own, so the copies would drift).
         """
-        return DistributedFitRun(
-            self,
-            batches,
-            loss_fn,
-            optimizer,
-            consistency=consistency,
-            scheduler=scheduler,
-            max_grad_norm=max_grad_norm,
-            window=window,
-            trace=trace,
-        )
+        return DistributedFitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
+                                 max_grad_norm=max_grad_norm, window=window, trace=trace)  # fmt: skip
 
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""

@@ -32,8 +32,9 @@ from __future__ import annotations
 import contextlib
 import io
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from fastpipe.balance._untouched import state_kept
 from fastpipe.distributed.fsdp_step import StageShards
+from fastpipe.distributed.rank_offload import StageOffload, choose_fractions, offloaded
 from fastpipe.errors import PipelineError
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
@@ -81,6 +83,7 @@ class RankMemoryGuard:
         limit: the budget in bytes.
         predicted: every device's prediction, by step key (schedule, checkpoint, shape).
         chosen: the recompute each step key runs with (under ``checkpoint="auto"``, the least that fits).
+        offload: each stage's offloaded share, by step key (under ``offload="auto"``, the least that fits).
         last: every device's prediction for the last step checked.
 
     Raises:
@@ -95,6 +98,7 @@ class RankMemoryGuard:
         self.optimizer = optimizer
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         self.chosen: dict[tuple[Any, ...], str] = {}
+        self.offload: dict[tuple[Any, ...], list[float]] = {}  # each stage's share offloaded, by step key
         self.last: list[DeviceMemory] = []
 
 
@@ -127,29 +131,31 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
     key = (step.schedule, "auto" if auto else mode, wgrad_batch, tuple(step.sizes), shared)
     measured = key not in guard.predicted
     if measured:
-        stages, skips, input_grad, sharded = _relay(pipe, step, loss_fn)
+        stages, skips, input_grad, sharded, told = _relay(pipe, step, loss_fn)
         transport = "ordered" if runtime.ordered else "tags"
-        tried = {}
+
+        def predict(mode: str, fractions: Sequence[float]) -> list[DeviceMemory]:
+            schedule, held = offloaded(step.schedule, stages, told, fractions, pipe._offload.lookahead)
+            return predict_memory(schedule, buffered_stages(schedule, held, transport), checkpoint=mode,
+                                  receive_buffers=receive_buffer_bytes(schedule, held, transport),
+                                  optimizer=guard.optimizer, skips=skips, wgrad_batch=wgrad_batch,
+                                  input_grad=input_grad, sharded=sharded)  # fmt: skip
+
+        tried, given = {}, [0.0 if t is None else t.fraction for t in told]
         for mode in modes:  # the least recompute first: the fastest step that fits
-            tried[mode] = predict_memory(
-                step.schedule,
-                buffered_stages(step.schedule, stages, transport),
-                receive_buffers=receive_buffer_bytes(step.schedule, stages, transport),
-                checkpoint=mode,
-                optimizer=guard.optimizer,
-                skips=skips,
-                wgrad_batch=wgrad_batch,
-                input_grad=input_grad,
-                sharded=sharded,
-            )
-            if over_limit(tried[mode], guard.limit) is None:
+            fractions = given
+            if pipe._offload.auto:
+                fractions = choose_fractions(partial(predict, mode), step.schedule, told, guard.limit)
+            tried[mode] = (predict(mode, fractions), fractions)
+            if over_limit(tried[mode][0], guard.limit) is None:
                 break
         if auto and runtime.dp_group is not None:  # every replica runs the most any of them needs
             most = runtime.agree_max(torch.tensor([float(modes.index(mode))]), "the recompute of checkpoint='auto'")
             mode = modes[int(most.item())]
         guard.chosen[key] = mode
-        guard.predicted[key] = tried[mode]
+        guard.predicted[key], guard.offload[key] = tried[mode]
     mode, devices = guard.chosen[key], guard.predicted[key]
+    pipe._offload.apply(guard.offload[key])
     guard.last = devices
     over = over_limit(devices, guard.limit)
     if measured and runtime.dp_group is not None:  # the replicas measured this step together
@@ -186,19 +192,21 @@ class _Measured:
     input_grad: bool = False
     error: str = ""
     sharded: ShardBytes | None = None
+    offload: StageOffload | None = None
 
 
 def _relay(
     pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]
-) -> tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[ShardBytes] | None]:
+) -> tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[ShardBytes] | None, list[StageOffload | None]]:
     """Every stage's bytes, the skips between stages ``(producer, consumer, bytes)``, whether
-    stage 0's input needs a gradient, and each stage's shards where the stages are sharded; the
-    same on every rank (see the module docstring)."""
+    stage 0's input needs a gradient, each stage's shards where the stages are sharded, and what
+    each stage can offload; the same on every rank (see the module docstring)."""
     runtime = pipe.runtime
     value: Any = None
     pending: dict[str, Tensor] = {}
     stashed: dict[str, tuple[int, int]] = {}  # name -> (producer stage, bytes)
     found: list[StageBytes] = []
+    told: list[StageOffload | None] = []
     shards: list[ShardBytes] = []
     edges: list[tuple[int, int, float]] = []
     input_grad = False
@@ -215,6 +223,7 @@ def _relay(
                 raise PipelineError(f"fastpipe: rank {runtime.global_rank_of(owner)} (stage {s}): {got.error}")
             assert got.stage_bytes is not None
             found.append(got.stage_bytes)
+            told.append(got.offload)
             if got.sharded is not None:
                 shards.append(got.sharded)
             input_grad = input_grad or (s == 0 and got.input_grad)
@@ -227,7 +236,7 @@ def _relay(
             value, pending = got.output, got.left
     finally:
         runtime.watchdog.timeout = bound
-    return found, edges, input_grad, shards if len(shards) == len(found) else None
+    return found, edges, input_grad, shards if len(shards) == len(found) else None, told
 
 
 def _measure(
@@ -269,6 +278,8 @@ def _measure(
                 wgrad_fuse_min=stage.options.wgrad_fuse_min,
                 split=getattr(getattr(step, "schedule", None), "split_backward", True),  # fit's windows: any
             )
+            target = step.targets[0] if last else None
+            offload = pipe._offload.measure(s, sample, target, loss_fn if last else None)
             store = SkipStore(pending) if has_skips(module) else None
             with torch.enable_grad():  # as the step runs it (a layer may branch on grad mode)
                 out = run_layers(module, sample, side, store)  # the last stage too: which skips it pops
@@ -279,6 +290,7 @@ def _measure(
             {n: t.detach().cpu() for n, t in left.items()},
             any(t.requires_grad for t in tensors_of(sample)),
             sharded=sharded,
+            offload=offload,
         )
     except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise
         return _Measured(None, error=f"measuring stage {s} for memory_limit raised {type(exc).__name__}: {exc}")

@@ -27,6 +27,7 @@ from torch import nn
 from fastpipe.balance.auto import _one_microbatch
 from fastpipe.balance.planner import BalanceError
 from fastpipe.distributed.ranks import gather_objects
+from fastpipe.memory.optimizer import OptimizerSpec
 from fastpipe.memory.planner import Plan, plan_memory
 from fastpipe.memory.planner_profile import measure_plan_profile
 from fastpipe.memory.sizes import parse_bytes
@@ -49,6 +50,7 @@ class RankPlan:
         balance: layers per stage (``K`` or ``2K`` stages for ``K`` ranks).
         schedule: the schedule's name.
         checkpoint: the whole-stage recompute mode.
+        offload: each stage's offloaded share, under ``offload="auto"`` where the planner chose some; else None.
         plan: the planner's :class:`~fastpipe.memory.planner.Plan` (``plan.table()`` shows the candidates).
     """
 
@@ -56,6 +58,7 @@ class RankPlan:
     schedule: str
     checkpoint: str
     plan: Plan
+    offload: list[float] | None = None
 
 
 def plan_for_ranks(
@@ -72,6 +75,9 @@ def plan_for_ranks(
     group: Any,
     dp_group: Any,
     timeout: float,
+    optimizer: OptimizerSpec = "adam",
+    transport: str = "tags",
+    offload: bool = False,
 ) -> RankPlan:
     """The plan every rank of ``group`` (and of ``dp_group``) builds; see the module.
 
@@ -88,6 +94,10 @@ def plan_for_ranks(
         group: the pipeline group; its first rank plans.
         dp_group: the data-parallel group, or None.
         timeout: how long a rank waits for a peer that never arrives (gloo groups).
+        optimizer: the optimizer state a device holds (:func:`~fastpipe.memory.optimizer.optimizer_factor`).
+        transport: ``"tags"`` or ``"ordered"``, the pipe's, whose receive buffers the planner counts.
+        offload: whether offload is on offer (``offload="auto"``); priced from the first rank's measured
+            copy bandwidth, so nothing is offloaded where that rank is a CPU.
 
     Raises:
         ValueError: nothing fits the limit (the planner's message: the fullest device and what it holds),
@@ -100,7 +110,7 @@ def plan_for_ranks(
     if dist.get_rank(group) == 0:
         try:
             args = (module, schedule, checkpoint, sample, side_inputs, memory_limit, chunks, ranks, device)
-            outcome = ("plan", _plan(*args, wgrad_batch))
+            outcome = ("plan", _plan(*args, wgrad_batch, optimizer, transport, offload))
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             failure = exc
             # The class travels only where it is one the other ranks can rebuild from a message.
@@ -130,6 +140,9 @@ def _plan(
     ranks: int,
     device: torch.device,
     wgrad_batch: int,
+    optimizer: OptimizerSpec,
+    transport: str,
+    offload: bool,
 ) -> RankPlan:
     if sample is None:
         raise BalanceError(
@@ -144,7 +157,7 @@ def _plan(
     side = dict(side_inputs or {})
     check_side_inputs(module, side, grad=True)
     micro, micro_side = _one_microbatch(sample, chunks, side)
-    profile = measure_plan_profile(module, micro, micro_side, device=device, policies=[], offload=False)
+    profile = measure_plan_profile(module, micro, micro_side, device=device, policies=[], offload=offload)
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     plans: list[Plan] = []
     refusals: list[Exception] = []
@@ -157,11 +170,13 @@ def _plan(
                     chunks,
                     limit,
                     wgrad_batch=wgrad_batch,
+                    optimizer=optimizer,
                     input_grad=any(t.requires_grad for t in tensors_of(micro)),
                     greedy=False,  # a DistributedPipe runs named schedules
                     schedules=names,
                     virtual_stages=per_rank,
                     checkpoints=list(WHOLE_STAGE) if checkpoint == "auto" else [checkpoint],
+                    transport=transport,
                 )
             )
         except (ValueError, BalanceError) as exc:
@@ -170,7 +185,8 @@ def _plan(
         raise refusals[0]
     best = min(plans, key=lambda p: p.chosen.time)
     c = best.chosen
-    return RankPlan(list(c.balance), c.name, str(c.checkpoint), best)
+    shares = list(c.offload) if any(c.offload) else None
+    return RankPlan(list(c.balance), c.name, str(c.checkpoint), best, shares)
 
 
 def _shapes(schedule: str) -> dict[int, list[str]]:

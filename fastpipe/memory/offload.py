@@ -38,7 +38,7 @@ from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
 from fastpipe.schedule.prefetch import with_prefetch, worth_prefetching
 
-__all__ = ["FORMS", "OffloadSpec", "PipeOffload", "resolve_offload"]
+__all__ = ["FORMS", "OffloadSpec", "PipeOffload", "resolve_offload", "stage_policy"]
 
 LayerPredicate = Callable[[int, nn.Module], bool]
 OffloadSpec = float | str | LayerPredicate | Sequence[float | LayerPredicate | None] | None
@@ -75,12 +75,18 @@ def resolve_offload(spec: OffloadSpec, stages: Sequence[Sequence[nn.Module]]) ->
     out: list[OffloadPolicy | None] = []
     start = 0
     for entry, layers in zip(entries, stages):
-        out.append(_policy(entry, layers, start, spec))
+        out.append(stage_policy(entry, layers, start, spec))
         start += len(layers)
     return out
 
 
-def _policy(entry: Any, layers: Sequence[nn.Module], start: int, spec: Any) -> OffloadPolicy | None:
+def stage_policy(entry: Any, layers: Sequence[nn.Module], start: int, spec: Any) -> OffloadPolicy | None:
+    """One stage's policy: ``entry`` (a fraction, a layer predicate or None) over ``layers``, the first
+    of which is layer ``start`` of the model; ``spec`` is the whole setting, for messages.
+
+    Raises:
+        ValueError: a fraction outside ``[0, 1]``, another form, or a predicate that returns a non-bool.
+    """
     if entry is None:
         return None
     if callable(entry) and not isinstance(entry, nn.Module):

@@ -74,6 +74,32 @@ def planned_on_ranks(rank: int, world: int) -> dict[str, Any]:
     }
     tight.close()
 
+    # Told of a HostOptimizer, the planner and the guard count no optimizer state on the devices.
+    host = fastpipe.DistributedPipe(model(), "auto", chunks=M, schedule=free.schedule, sample=x, optimizer_state="host")
+    assert host.plan is not None
+    out["host_plan"] = [(d.optimizer, d.parameters) for d in host.plan.chosen.devices]
+    balance, schedule = host.balance, host.schedule
+    host.close()
+    verdicts = {}
+    for state in ("adam", "host"):
+        told = fastpipe.DistributedPipe(model(), balance, chunks=M, schedule=schedule, memory_limit="1GiB",
+                                        optimizer_state=state)  # fmt: skip
+        told.train_step(x, y, ProductLoss())
+        assert told.memory_guard is not None
+        verdicts[state] = [(d.total, d.optimizer) for d in told.memory_guard.last]
+        told.close()
+    between = (max(t for t, _ in verdicts["adam"]) + max(t for t, _ in verdicts["host"]) * 1.05) / 2
+    for state in ("adam", "host"):
+        told = fastpipe.DistributedPipe(model(), balance, chunks=M, schedule=schedule, memory_limit=int(between),
+                                        optimizer_state=state)  # fmt: skip
+        try:
+            told.train_step(x, y, ProductLoss())
+            out[f"between_{state}"] = ""
+        except ValueError as exc:
+            out[f"between_{state}"] = str(exc)
+        told.close()
+    out["verdicts"] = verdicts
+
     for name, args in (("tiny", (4096,)), ("no_sample", (None, None))):
         try:
             pipe(*args).close()
@@ -99,6 +125,11 @@ def test_one_rank_plans_and_every_rank_builds_it_within_the_limit() -> None:
         planning = ranks[0]["tiny"].split(": ", 1)[1]
         assert planning in r["tiny"]  # raised on every rank, with the planning rank's message
         assert "sample=" in r["no_sample"], r["no_sample"]
+        assert all(o == 0 < p for o, p in r["host_plan"]), r["host_plan"]
+        adam, host = r["verdicts"]["adam"], r["verdicts"]["host"]
+        assert all(o > 0 for _, o in adam) and all(o == 0 for _, o in host)
+        assert [t - o for t, o in adam] == [t for t, _ in host]
+        assert "optimizer" in r["between_adam"] and r["between_host"] == "", r
 
 
 def test_balance_auto_needs_the_whole_model() -> None:
@@ -110,3 +141,50 @@ def test_balance_auto_needs_the_whole_model() -> None:
         check_balance_given("even", model())
     with pytest.raises(TypeError, match="needs balance="):
         check_balance_given(None, model())
+
+
+def offload_planned_on_ranks(rank: int, world: int) -> dict[str, Any]:
+    import warnings
+
+    import fastpipe
+    from fastpipe.distributed import plan
+    from fastpipe.memory.offload_bytes import CopyBandwidth
+
+    measure = plan.measure_plan_profile
+
+    def priced(*args: Any, **kw: Any) -> Any:  # a CPU prices no offload: a test gives it a fast copy link
+        kw["bandwidth"] = CopyBandwidth(torch.device("cpu"), 1e12, 1e12, 1 << 20) if kw["offload"] else None
+        return measure(*args, **kw)
+
+    plan.measure_plan_profile = priced  # type: ignore[assignment]
+    x, y = _batch()
+
+    def pipe(limit: int | None, offload: Any) -> fastpipe.DistributedPipe:
+        return fastpipe.DistributedPipe(model(), "auto", chunks=M, schedule="gpipe", checkpoint="auto",
+                                        memory_limit=limit, sample=x, offload=offload)  # fmt: skip
+
+    free = pipe(None, None)
+    assert free.plan is not None
+    need = max(d.total for d in free.plan.chosen.devices)
+    free.close()
+    out: dict[str, Any] = {}
+    for offload in (None, "auto"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tight = pipe(int(need * 0.9), offload)  # within reach of offload, not of "never" alone
+        assert tight.plan is not None
+        c = tight.plan.chosen
+        out[str(offload)] = (c.checkpoint, c.offload, [str(w.message) for w in caught])
+        tight.close()
+    return out
+
+
+def test_under_offload_auto_the_planner_offers_offload_and_the_ranks_take_its_shares() -> None:
+    ranks = check_ok(run_ranks(offload_planned_on_ranks, 2, timeout=300))
+    for r in ranks:
+        assert all(r[k][:2] == ranks[0][k][:2] for k in r)  # one plan, built on every rank
+        checkpoint, shares, _ = r["None"]
+        assert checkpoint != "never" and not any(shares)  # without offload on offer, only recompute fits
+        checkpoint, shares, messages = r["auto"]
+        assert checkpoint == "never" and any(shares), r["auto"]  # a fast link: offload beats recompute
+        assert any("does nothing on CPU stages" in m for m in messages)  # the shares reach the ranks' stages

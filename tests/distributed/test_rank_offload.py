@@ -1,0 +1,165 @@
+"""``DistributedPipe(offload=...)`` on two gloo ranks: the same gradients, the guard counts it, "auto" fits.
+
+zb-h1 runs on the ordered transport (NCCL's), the others on gloo's tags.
+
+A CPU stage gains nothing from offload, so ``offload=`` leaves it alone (warned). As in
+tests/runtime/test_offload.py, the tests force a policy on the stages instead: the saved tensors
+then go through ``fastpipe._C``'s host backend, as a GPU stage's do, and come back through each
+rank's ``P`` actions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _dist_utils import check_ok, run_ranks
+from _memory_utils import ProductLoss, install_counter_or_skip
+from torch import nn
+
+H, ROWS, M = 32, 64, 4
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H)) for _ in range(6)])
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(M * ROWS, H, generator=g), torch.randn(M * ROWS, H, generator=g)
+
+
+def offload_on_ranks(rank: int, world: int) -> dict[str, Any]:
+    import warnings
+
+    from fastpipe import DistributedPipe
+    from fastpipe.memory._cpu_counter import install
+    from fastpipe.memory.accounting import PeakMeter
+    from fastpipe.runtime.host_copies import CopyPath
+    from fastpipe.runtime.offload import OffloadPolicy
+
+    sent = [0]
+    original = CopyPath.to_host
+
+    def to_host(path: CopyPath, t: torch.Tensor) -> Any:
+        sent[0] += t.numel() * t.element_size()
+        return original(path, t)
+
+    CopyPath.to_host = to_host  # type: ignore[method-assign]
+    install()  # before the models exist
+    x, y = _batch()
+    out: dict[str, Any] = {}
+
+    def step(pipe: DistributedPipe, fraction: float) -> dict[str, torch.Tensor]:
+        if fraction:
+            for st in pipe._stages.values():
+                st.offload = OffloadPolicy(fraction, force=True)
+        sent[0] = 0
+        pipe.train_step(x, y, ProductLoss())
+        return {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+    for name, balance, p2p in (("1f1b", [3, 3], "tags"), ("zb-h1", [3, 3], "ordered"), ("zb-v", [2, 1, 1, 2], "tags")):
+        grads = []
+        for fraction in (0.0, 0.5):
+            pipe = DistributedPipe(model(), balance, chunks=M, schedule=name, checkpoint="never", p2p=p2p)
+            grads.append(step(pipe, fraction))
+            out[f"{name} sent {fraction}"] = sent[0]
+            pipe.close()
+        out[f"{name} bitwise"] = all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+    # The guard predicts every device with the whole pipeline's prefetches: host bytes, fewer device bytes.
+    guarded = {}
+    for fraction in (0.0, 1.0):
+        pipe = DistributedPipe(model(), [3, 3], chunks=M, schedule="gpipe", checkpoint="never", memory_limit="1GiB")
+        plain = step(pipe, fraction)
+        pipe.zero_grad(set_to_none=True)
+        with PeakMeter("cpu") as meter:  # the device's bytes: offload's host blocks are not torch storages
+            pipe.train_step(x, y, ProductLoss())
+        held = sum(p.numel() * p.element_size() for p in pipe.parameters())
+        assert pipe.memory_guard is not None
+        mine = pipe.runtime.rank
+        guarded[fraction] = [(d.total, d.activations, d.offloaded) for d in pipe.memory_guard.last]
+        out[f"counted {fraction}"] = (held + meter.result.peak, pipe.memory_guard.last[mine].total)
+        pipe.close()
+    out["guarded"] = guarded
+
+    # "auto" under a limit that only offload meets (a test makes the CPU stages movable).
+    least = max(t for t, _, _ in guarded[1.0]) * 1.05
+    limit = int((least + max(t for t, _, _ in guarded[0.0]) * 1.05) / 2)
+    pipe = DistributedPipe(model(), [3, 3], chunks=M, schedule="gpipe", checkpoint="never", memory_limit=limit,
+                           offload="auto")  # fmt: skip
+    pipe._offload.movable = dict.fromkeys(pipe._stages, True)
+    auto = step(pipe, 0.0)
+    assert pipe.memory_guard is not None
+    (chosen,) = pipe.memory_guard.offload.values()
+    out["auto"] = {
+        "limit": limit,
+        "chosen": chosen,
+        "totals": [d.total for d in pipe.memory_guard.last],
+        "sent": sent[0],
+        "bitwise": all(torch.equal(auto[n], plain[n]) for n in plain),
+    }
+    pipe.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = DistributedPipe(model(), [3, 3], chunks=M, offload=0.5)
+    out["cpu"] = ([str(w.message) for w in caught], [st.offload for st in pipe._stages.values()])
+    pipe.close()
+    for name, bad in (("short", [0.5]), ("word", "half"), ("big", 2.0)):
+        try:
+            DistributedPipe(model(), [3, 3], chunks=M, offload=bad).close()
+            out[name] = ""
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    install_counter_or_skip()
+    return check_ok(run_ranks(offload_on_ranks, 2, timeout=300))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_offload_on_ranks_leaves_gradients_bitwise_equal_and_copies_to_the_host(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    for r in ranks:
+        assert r[f"{name} bitwise"] and r[f"{name} sent 0.0"] == 0
+    assert ranks[0][f"{name} sent 0.5"] > 0  # the first rank's backwards come well after their forwards
+
+
+def test_the_guard_counts_what_each_rank_offloads(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        for (total, activations, host), (total0, activations0, host0) in zip(r["guarded"][1.0], r["guarded"][0.0]):
+            assert host0 == 0 < host and activations < activations0 and total < total0
+
+
+def test_the_counted_device_peak_stays_within_the_prediction_with_and_without_offload(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        for fraction in (0.0, 1.0):
+            counted, predicted = r[f"counted {fraction}"]
+            assert counted <= predicted * 1.05, (fraction, counted, predicted)
+        assert r["counted 1.0"][0] < r["counted 0.0"][0]
+
+
+def test_auto_offloads_the_least_that_fits_and_keeps_the_gradients(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        auto = r["auto"]
+        assert auto == {**ranks[0]["auto"], "sent": auto["sent"]}  # every rank chose the same
+        assert any(0 < f for f in auto["chosen"]) and all(f <= 1 for f in auto["chosen"])
+        assert all(t * 1.05 <= auto["limit"] for t in auto["totals"]) and auto["bitwise"]
+    assert sum(r["auto"]["sent"] for r in ranks) > 0
+
+
+def test_offload_on_cpu_stages_is_a_warned_no_op_and_bad_settings_are_refused(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        messages, policies = r["cpu"]
+        assert any("does nothing on CPU stages" in m for m in messages) and policies == [None]
+        assert "one per stage" in r["short"]
+        assert "accepted forms" in r["word"] and "accepted forms" in r["big"]
