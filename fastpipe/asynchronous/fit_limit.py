@@ -14,6 +14,12 @@ plus :data:`~fastpipe.memory.limit.MARGIN` exceeds the limit stops the run with 
 On a :class:`~fastpipe.DistributedPipe` each rank measures its own stages and the figures are
 relayed down the pipeline as for its ``train_step`` (:mod:`fastpipe.distributed.memory_limit`),
 so every rank reaches the same verdict.
+
+Under ``checkpoint="auto"`` (a pipe's default under ``memory_limit``) each window shape runs the
+least whole-stage recompute whose prediction fits: ``"never"``, then ``"except_last"``, then
+``"always"``, from the one measurement. Every rank of a pipeline predicts from the same figures,
+so all choose alike; data-parallel replicas may choose apart, which changes only their memory
+and time, not their gradients.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = ["FitMemoryGuard"]
 
 #: State bytes per parameter byte counted for an optimizer whose state is not known yet (Adam's two moments).
 _UNKNOWN_STATE = 2.0
+_LEAST_FIRST = ("never", "except_last", "always")  # what checkpoint="auto" tries, in this order
 
 
 class FitMemoryGuard:
@@ -54,13 +61,17 @@ class FitMemoryGuard:
     Attributes:
         limit: the budget in bytes.
         predicted: every device's prediction, by window shape.
+        chosen: the whole-stage recompute each window shape runs with.
         last: every device's prediction for the last window checked.
+        checkpoint: what the last window checked recomputes: the pipe's mode, or what ``"auto"`` chose.
     """
 
     def __init__(self, limit: int | float | str) -> None:
         self.limit = parse_bytes(limit)
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
+        self.chosen: dict[tuple[Any, ...], str] = {}
         self.last: list[DeviceMemory] = []
+        self.checkpoint: str | None = None
 
     def check(self, run: FitRun, window: Window) -> list[DeviceMemory]:
         """The devices' predicted peaks over ``window``; ``ValueError`` if one exceeds the limit.
@@ -71,30 +82,40 @@ class FitMemoryGuard:
         local = hasattr(run.pipe, "partitions")
         shape = tuple((tuple(t.shape), t.dtype) for t in tensors_of(window.inputs[0])) if local else ()
         key = (window.minibatches, window.microbatches, tuple(window.sizes), shape)
-        devices = self.predicted.get(key)
-        if devices is None:
-            devices = self.predicted[key] = _predict(run, window)
+        auto = isinstance(run.checkpoint_mode, str) and run.checkpoint_mode == "auto"
+        if key not in self.predicted:
+            measured = _measure(run, window)
+            for mode in _LEAST_FIRST if auto else (run.checkpoint_mode,):  # the least recompute first
+                devices = _predict(run, window, measured, mode)
+                if over_limit(devices, self.limit) is None:
+                    break
+            self.predicted[key], self.chosen[key] = devices, mode
+        devices, self.checkpoint = self.predicted[key], self.chosen[key]
         self.last = devices
         over = over_limit(devices, self.limit)
         if over is not None:
-            raise ValueError(refusal(over, self.limit))
+            tried = f" (checkpoint='auto' tried {', '.join(_LEAST_FIRST)})" if auto else ""
+            raise ValueError(refusal(over, self.limit) + tried)
         return devices
 
 
-def _predict(run: FitRun, window: Window) -> list[DeviceMemory]:
-    pipe: Any = run.pipe
+def _measure(run: FitRun, window: Window) -> tuple[_Measured, dict[int, int]]:
+    """The window's stages, measured once on its first micro-batch, and each stage's update temporaries."""
+    transient = {s: update_temporaries(run.optimizer, st.params, run.max_grad_norm) for s, st in run.stages.items()}
+    mode: Any = run.checkpoint_mode
+    policy = None if isinstance(mode, str) else mode  # a per-layer policy: measured with its regions recomputed
+    if hasattr(run.pipe, "partitions"):
+        return _local(run, window, policy), transient
+    return _ranks(run, window, transient), transient
+
+
+def _predict(run: FitRun, window: Window, measured: tuple[_Measured, dict[int, int]], mode: Any) -> list[DeviceMemory]:
     try:
         factor = optimizer_factor(run.optimizer)
     except ValueError:  # an optimizer of its own kind, before its first step: count Adam's state
         factor = _UNKNOWN_STATE
-    transient = {s: update_temporaries(run.optimizer, st.params, run.max_grad_norm) for s, st in run.stages.items()}
-    mode: Any = run.checkpoint_mode
-    policy = None if isinstance(mode, str) else mode  # a per-layer policy: measured with its regions recomputed
+    (stages, skips, first_input, window_bytes, transport), transient = measured
     whole = mode if mode in ("always", "except_last") else "never"  # what recomputes whole stages in fit
-    if hasattr(pipe, "partitions"):
-        stages, skips, first_input, window_bytes, transport = _local(run, window, policy)
-    else:
-        stages, skips, first_input, window_bytes, transport = _ranks(run, window, transient)
     return fit_devices(
         stages,
         microbatches=window.microbatches,

@@ -259,7 +259,8 @@ class FitRun(Iterator[Tensor]):
         for s, st in self.stages.items():
             nbytes = sum(p.numel() * p.element_size() for p in st.params)
             self.weight_copy_bound[s] = max(self.weight_copy_bound[s], bound[s] * nbytes)
-        checkpoint = checkpoint_predicate(self.checkpoint_mode, self.pipe.training, m)  # type: ignore[arg-type]
+        mode = self.checkpoint_mode if self.memory_guard is None else self.memory_guard.checkpoint
+        checkpoint = checkpoint_predicate(mode, self.pipe.training, m)  # type: ignore[arg-type]
 
         made: list[MultistepRunner] = []
 

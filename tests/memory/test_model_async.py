@@ -350,3 +350,27 @@ def test_every_rank_refuses_a_distributed_fit_over_the_pipes_limit() -> None:
     (first, untouched_0), (second, untouched_1) = check_ok(run_ranks(_ranks_refuse, 2, timeout=120))
     assert first == second and untouched_0 and untouched_1
     assert "over memory_limit=1.00 MiB" in first and "receive_buffers" in first
+
+
+def test_fit_under_checkpoint_auto_runs_the_least_recompute_that_fits_and_trains_as_that_mode() -> None:
+    def fitted(checkpoint: str, limit: object) -> tuple[list[float], list[torch.Tensor], Any]:
+        pipe = fastpipe.Pipe(mlp(64), [2, 2], chunks=M, checkpoint=checkpoint)
+        try:
+            opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+            run = pipe.fit(batches(64, 32), ProductLoss(), opt, window=N, memory_limit=limit)
+            losses = [float(loss) for loss in run]
+            return losses, [p.detach().clone() for p in pipe.parameters()], run.memory_guard
+        finally:
+            pipe.close()
+
+    need = {mode: max(d.total for d in fitted(mode, "1TiB")[2].last) for mode in ("never", "always")}
+    assert fitted("auto", "1TiB")[2].checkpoint == "never"  # nothing recomputed where everything fits
+    limit = int(need["always"] * (1 + MARGIN)) + 1
+    assert limit < need["never"] * (1 + MARGIN)
+    losses, params, guard = fitted("auto", limit)
+    assert guard.checkpoint in ("except_last", "always")
+    assert all(d.total * (1 + MARGIN) <= limit for d in guard.last)
+    same_losses, same_params, _ = fitted(guard.checkpoint, "1TiB")
+    assert losses == same_losses and all(torch.equal(a, b) for a, b in zip(params, same_params))
+    with pytest.raises(ValueError, match=r"checkpoint='auto' tried never, except_last, always"):
+        fitted("auto", int(need["always"] * 0.9))
