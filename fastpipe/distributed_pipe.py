@@ -35,6 +35,7 @@ from fastpipe.distributed.fsdp import check_dp_shard, shard_pipe, state_bytes
 from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
 from fastpipe.distributed.plan import check_balance_given, plan_for_ranks
 from fastpipe.distributed.rank_offload import RankOffload
+from fastpipe.distributed.rank_recompute import check_regions, described, rank_regions, whole_stage
 from fastpipe.distributed.rank_stages import RankStages, StageBuilder, build_stages, declared_stages, split_module
 from fastpipe.distributed.rank_step import rank_step
 from fastpipe.distributed.ranks import check_same_settings, gather_objects, order_matched, pipeline_groups
@@ -55,14 +56,8 @@ from fastpipe.schedule import Schedule
 from fastpipe.schedule.builders import build_for, placement_for
 from fastpipe.step.amp import distributed_loss_scale
 from fastpipe.step.microbatch import Value
-from fastpipe.step.rules import (
-    Checkpoint,
-    check_checkpoint,
-    check_chunks,
-    check_loss_fn,
-    checkpoint_predicate,
-    microbatch_loss,
-)
+from fastpipe.step.recompute_policy import CheckpointSetting, checkpoint_setting
+from fastpipe.step.rules import Checkpoint, check_chunks, check_loss_fn, checkpoint_predicate, microbatch_loss
 from fastpipe.trace.timeline import Timeline
 
 __all__ = ["DistributedPipe"]
@@ -84,9 +79,10 @@ class DistributedPipe(nn.Module):
         chunks: micro-batches per mini-batch.
         schedule: one of :data:`fastpipe.schedule.SCHEDULES`; it fixes which stages this rank holds.
             ``"auto"`` with ``balance="auto"``: the planner's choice.
-        checkpoint: as for :class:`fastpipe.Pipe`, whole-stage modes; ``"auto"`` with ``memory_limit``:
-            per step shape, the least recompute (never, except_last, always) whose predicted peak fits
-            on every rank; without a limit, nothing recomputed.
+        checkpoint: as for :class:`fastpipe.Pipe`: whole-stage modes, or a per-layer policy (a predicate over
+            the whole model's layers, or parts of decoder blocks; :mod:`fastpipe.distributed.rank_recompute`);
+            ``"auto"`` with ``memory_limit``: per step shape, the least recompute (never, except_last, always)
+            whose predicted peak fits on every rank; without a limit, nothing recomputed.
         process_group: the pipeline group (default: WORLD).
         mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
         dp_group: the data-parallel group of this rank's replicas (with ``process_group``).
@@ -130,7 +126,7 @@ class DistributedPipe(nn.Module):
         *,
         chunks: int = 1,
         schedule: str = "1f1b",
-        checkpoint: Checkpoint | Literal["auto"] = "except_last",
+        checkpoint: CheckpointSetting = "except_last",
         process_group: Any = None,
         mesh: Any = None,
         dp_group: Any = None,
@@ -161,8 +157,7 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"fastpipe: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         check_chunks(chunks)
         state_factor = optimizer_factor(optimizer_state)  # a bad one is refused with or without a limit
-        if checkpoint != "auto":
-            check_checkpoint(checkpoint)
+        checkpoint = checkpoint_setting(checkpoint)
         self.plan: Plan | None = None
         opts = RuntimeOptions.resolve(p2p=p2p, tune_malloc=tune_malloc, fused_wgrad=fused_wgrad,
                                       wgrad_batch=wgrad_batch, wgrad_fuse_min=wgrad_fuse_min)  # fmt: skip
@@ -211,7 +206,7 @@ class DistributedPipe(nn.Module):
         kw["first_step_timeout"] = first_step_timeout
         self._offload = RankOffload(offload, stages, balance, guard is not None)
         self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
-        settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": checkpoint,
+        settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": described(checkpoint),
                     "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan, "dp_shard": dp_shard,
                     "ties": built.expected, "memory_limit": None if guard is None else guard.limit,
                     "optimizer_state": state_factor}  # fmt: skip
@@ -219,8 +214,10 @@ class DistributedPipe(nn.Module):
         for among, what in [(control, "pipeline")] + ([] if dp is None else [(dp, "data-parallel")]):
             check_same_settings(settings, among, what, timeout)
         # Each rank checks the side inputs of a call against the whole model's, and learns its ties.
-        mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report()}
+        mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report(),
+                      "regions": rank_regions(checkpoint, stages, balance)}  # fmt: skip
         facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)
+        check_regions(checkpoint, [f["regions"] for f in facts])
         self._side_names = list(dict.fromkeys(n for f in facts for n in f["side"]))
         self._ties = RankTies(built, [f["ties"] for f in facts], stages, self._runtime, bucket_bytes)
         self.dp_shard = dp_shard
@@ -351,7 +348,9 @@ class DistributedPipe(nn.Module):
         step = rank_step(self, input, target, loss_fn, side, schedule, here)
         chosen = check_rank_memory(self, step, loss_fn)
         count = len(step.sizes)
-        checkpoint = checkpoint_predicate(cast(Checkpoint, chosen or self.checkpoint), self.training, count)
+        checkpoint = checkpoint_predicate(
+            cast(Checkpoint, chosen or whole_stage(self.checkpoint)), self.training, count
+        )
 
         scale = distributed_loss_scale(scaler, self.device, runtime)
         scaling = scaler is not None and scaler.is_enabled()  # its scale may have backed off to 1.0

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from fastpipe.balance._untouched import state_kept
 from fastpipe.distributed.fsdp_step import StageShards
 from fastpipe.distributed.rank_offload import StageOffload, choose_fractions, offloaded
+from fastpipe.distributed.rank_recompute import stage_policy
 from fastpipe.errors import PipelineError
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
@@ -56,6 +57,7 @@ from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.side_inputs import run_layers
 from fastpipe.model.skips import SkipStore, has_skips
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
+from fastpipe.step.recompute_policy import Recompute
 
 if TYPE_CHECKING:
     from fastpipe.distributed.rank_step import RankStep
@@ -265,6 +267,7 @@ def _measure(
         if isinstance(replicas, StageShards):  # gloo's reduce-scatter copies its input
             copies = 2 if dist.get_backend(replicas.group) == "gloo" else 1
             sharded = shard_bytes(module, replicas.size, scatter_copies=copies)
+        policy = pipe.checkpoint  # a per-layer policy: measured with its regions recomputed
         with state_kept(module, None), _whole(module):  # not moving the step's generators or statistics
             (stage_bytes,) = measure_stages(
                 module,
@@ -277,6 +280,7 @@ def _measure(
                 fused_wgrad=stage.options.fused_wgrad,
                 wgrad_fuse_min=stage.options.wgrad_fuse_min,
                 split=getattr(getattr(step, "schedule", None), "split_backward", True),  # fit's windows: any
+                recompute=stage_policy(policy, pipe.balance, s) if isinstance(policy, Recompute) else None,
             )
             target = step.targets[0] if last else None
             offload = pipe._offload.measure(s, sample, target, loss_fn if last else None)

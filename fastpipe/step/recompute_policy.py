@@ -19,6 +19,7 @@ A per-layer policy keeps each stage's graph and recomputes only its regions
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,6 +38,7 @@ __all__ = [
     "checkpoint_setting",
     "every_other_layer",
     "layer_parts",
+    "missing_parts",
 ]
 
 #: The parts of a decoder block that ``checkpoint=`` can name.
@@ -63,11 +65,17 @@ class Recompute:
             selects (``index`` counts from 0 over the whole Sequential).
         parts: names from :data:`PARTS`: recompute that part of every layer that has it.
         name: how the policy shows in messages and logs.
+        first: the index in the Sequential of the first layer :meth:`regions` is given (a rank's
+            stages start where the stages of the ranks before end).
+        whole: whether :meth:`regions` sees the whole model, so that a named part no layer has is
+            refused there; a rank sees its own stages only, and the ranks check together.
     """
 
     layers: LayerPredicate | None = None
     parts: tuple[str, ...] = ()
     name: str = ""
+    first: int = 0
+    whole: bool = True
 
     def __post_init__(self) -> None:
         if self.layers is None and not self.parts:
@@ -93,7 +101,7 @@ class Recompute:
         """
         found: list[list[nn.Module]] = []
         offered: dict[str, int] = {}
-        index = 0
+        index = self.first
         for stage in stages:
             chosen: list[nn.Module] = []
             for layer in stage.children():
@@ -107,9 +115,13 @@ class Recompute:
                 index += 1
             found.append([_checked(region) for region in chosen])
         missing = [p for p in self.parts if p not in offered]
-        if missing:
-            raise ValueError(_missing_parts(missing, offered))
+        if missing and self.whole:
+            raise ValueError(missing_parts(missing, offered))
         return found
+
+    def at(self, first: int) -> Recompute:
+        """This policy over stages whose first layer is layer ``first`` of the Sequential, and not all of it."""
+        return dataclasses.replace(self, first=first, whole=False)
 
 
 CheckpointSetting = (
@@ -194,7 +206,8 @@ def _checked_quietly(region: nn.Module) -> bool:
     return not isinstance(region, Stash) and not has_skips(region)
 
 
-def _missing_parts(missing: list[str], offered: Mapping[str, int]) -> str:
+def missing_parts(missing: list[str], offered: Mapping[str, int]) -> str:
+    """Why named parts ``missing`` cannot be recomputed, given the parts ``offered`` (layers per name)."""
     asked = missing[0] if len(missing) == 1 else missing
     if not offered:
         return (
