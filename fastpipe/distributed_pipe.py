@@ -167,14 +167,14 @@ class DistributedPipe(nn.Module):
         self.device = rank_device(group, device)
         if isinstance(balance, str):  # "auto", with the whole model (check_balance_given)
             backend = dist.get_backend(group)
-            found = plan_for_ranks(check_module(cast(nn.Sequential, module)), schedule, str(checkpoint),
+            found = plan_for_ranks(check_module(cast(nn.Sequential, module)), schedule, checkpoint,
                                    sample=sample, side_inputs=sample_side_inputs, memory_limit=memory_limit,
                                    chunks=chunks, device=self.device, wgrad_batch=opts.wgrad_batch_on(self.device),
                                    group=group, dp_group=dp, timeout=timeout, optimizer=optimizer_state,
                                    transport="ordered" if order_matched(backend, opts.p2p) else "tags",
                                    offload=isinstance(offload, str) and offload == "auto")  # fmt: skip
             balance, schedule, self.plan = found.balance, found.schedule, found.plan
-            checkpoint = cast(Checkpoint, found.checkpoint)
+            checkpoint = found.checkpoint if checkpoint == "auto" else checkpoint  # a policy given stays this rank's
             offload = found.offload if isinstance(offload, str) and offload == "auto" else offload
         balance = list(cast(Sequence[int], balance))
         if len(balance) % size:

@@ -16,6 +16,7 @@ plans. A failure there (nothing fits, a bad sample) is raised on every rank with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,13 @@ from fastpipe.distributed.ranks import gather_objects
 from fastpipe.memory.optimizer import OptimizerSpec
 from fastpipe.memory.planner import Plan, plan_memory
 from fastpipe.memory.planner_profile import measure_plan_profile
+from fastpipe.memory.planner_types import Combination
 from fastpipe.memory.sizes import parse_bytes
 from fastpipe.model.side_inputs import check_side_inputs
 from fastpipe.schedule import SCHEDULES
 from fastpipe.schedule.builders import STAGES_PER_WORKER
 from fastpipe.step.microbatch import Value, check_value, tensors_of
+from fastpipe.step.recompute_policy import Recompute
 
 __all__ = ["RankPlan", "check_balance_given", "plan_for_ranks"]
 
@@ -49,14 +52,16 @@ class RankPlan:
     Attributes:
         balance: layers per stage (``K`` or ``2K`` stages for ``K`` ranks).
         schedule: the schedule's name.
-        checkpoint: the whole-stage recompute mode.
+        checkpoint: the recompute: a whole-stage mode, or a per-layer policy (``checkpoint="auto"``'s
+            candidates are named parts and every other layer, which travel to every rank; a policy
+            given stays each rank's own).
         offload: each stage's offloaded share, under ``offload="auto"`` where the planner chose some; else None.
         plan: the planner's :class:`~fastpipe.memory.planner.Plan` (``plan.table()`` shows the candidates).
     """
 
     balance: list[int]
     schedule: str
-    checkpoint: str
+    checkpoint: str | Recompute
     plan: Plan
     offload: list[float] | None = None
 
@@ -64,7 +69,7 @@ class RankPlan:
 def plan_for_ranks(
     module: nn.Sequential,
     schedule: str,
-    checkpoint: str,
+    checkpoint: str | Recompute,
     *,
     sample: Value | None,
     side_inputs: Mapping[str, Any] | None,
@@ -84,7 +89,8 @@ def plan_for_ranks(
     Args:
         module: the whole model, on every rank.
         schedule: a name of :data:`fastpipe.schedule.SCHEDULES`, or ``"auto"`` (the planner's choice).
-        checkpoint: a whole-stage mode, or ``"auto"`` (the least recompute that fits).
+        checkpoint: a whole-stage mode or a per-layer policy, held fixed; or ``"auto"``: the fastest
+            recompute that fits, whole-stage or per-layer (:func:`~fastpipe.step.recompute_policy.auto_candidates`).
         sample: a mini-batch like the real ones, read on the pipeline's first rank.
         side_inputs: the sample's side inputs, by name.
         memory_limit: bytes per rank (or ``"24GiB"``); None: the fastest, nothing recomputed.
@@ -132,7 +138,7 @@ def plan_for_ranks(
 def _plan(
     module: nn.Sequential,
     schedule: str,
-    checkpoint: str,
+    checkpoint: str | Recompute,
     sample: Value | None,
     side_inputs: Mapping[str, Any] | None,
     memory_limit: int | float | str | None,
@@ -151,13 +157,14 @@ def _plan(
         )
     if schedule != "auto" and schedule not in SCHEDULES:
         raise ValueError(f"fastpipe: schedule={schedule!r} is not one of {SCHEDULES} or 'auto'")
-    if checkpoint != "auto" and checkpoint not in WHOLE_STAGE:
-        raise ValueError(f"fastpipe: checkpoint={checkpoint!r} is not one of {WHOLE_STAGE} or 'auto'")
+    if not isinstance(checkpoint, Recompute) and checkpoint != "auto" and checkpoint not in WHOLE_STAGE:
+        raise ValueError(f"fastpipe: checkpoint={checkpoint!r} is not one of {WHOLE_STAGE}, 'auto' or a policy")
     check_value(sample, "sample")
     side = dict(side_inputs or {})
     check_side_inputs(module, side, grad=True)
     micro, micro_side = _one_microbatch(sample, chunks, side)
-    profile = measure_plan_profile(module, micro, micro_side, device=device, policies=[], offload=offload)
+    policies = None if checkpoint == "auto" else [checkpoint] if isinstance(checkpoint, Recompute) else []
+    profile = measure_plan_profile(module, micro, micro_side, device=device, policies=policies, offload=offload)
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     plans: list[Plan] = []
     refusals: list[Exception] = []
@@ -175,7 +182,7 @@ def _plan(
                     greedy=False,  # a DistributedPipe runs named schedules
                     schedules=names,
                     virtual_stages=per_rank,
-                    checkpoints=list(WHOLE_STAGE) if checkpoint == "auto" else [checkpoint],
+                    checkpoints=None if checkpoint == "auto" else [checkpoint],
                     transport=transport,
                 )
             )
@@ -186,7 +193,19 @@ def _plan(
     best = min(plans, key=lambda p: p.chosen.time)
     c = best.chosen
     shares = list(c.offload) if any(c.offload) else None
-    return RankPlan(list(c.balance), c.name, str(c.checkpoint), best, shares)
+    if isinstance(checkpoint, Recompute):  # the caller's own policy, which may not pickle: each rank keeps its own
+        best = _named(best)
+        c = best.chosen
+    return RankPlan(list(c.balance), c.name, c.checkpoint, best, shares)
+
+
+def _named(plan: Plan) -> Plan:
+    """``plan`` with each per-layer policy replaced by its name, for the table."""
+
+    def named(c: Combination) -> Combination:
+        return dataclasses.replace(c, checkpoint=str(c.checkpoint)) if isinstance(c.checkpoint, Recompute) else c
+
+    return dataclasses.replace(plan, chosen=named(plan.chosen), considered=tuple(named(c) for c in plan.considered))
 
 
 def _shapes(schedule: str) -> dict[int, list[str]]:

@@ -80,17 +80,20 @@ def recompute_on_ranks(rank: int, world: int) -> dict[str, Any]:
         return "yes" if index == 3 else False  # type: ignore[return-value]
 
     flat = nn.Sequential(*[nn.Linear(H, H) for _ in range(4)])
-    for name, args in (
-        ("no_parts", (flat, "attention")),
-        ("bad_answer", (model(), wrong_on_rank_1)),
-        ("planner", (model(), "mlp")),
-    ):
+    for name, args in (("no_parts", (flat, "attention")), ("bad_answer", (model(), wrong_on_rank_1))):
         try:
-            balance = "auto" if name == "planner" else [2, 2]
-            DistributedPipe(args[0], balance, chunks=M, checkpoint=args[1], sample=x if name == "planner" else None)
+            DistributedPipe(args[0], [2, 2], chunks=M, checkpoint=args[1])
             out[name] = ""
         except (ValueError, TypeError) as exc:
             out[name] = str(exc)
+
+    # The planner holds a policy given fixed; a lambda does not pickle, so each rank keeps its own.
+    planned = DistributedPipe(model(), "auto", chunks=M, checkpoint=lambda i, layer: i == 2, sample=x)
+    planned.train_step(x, y, ProductLoss())
+    assert planned.plan is not None
+    (stage,) = planned._stages.values()
+    out["planned"] = (str(planned.plan.chosen.checkpoint), len(regions_of(stage.module)), sum(planned.balance))
+    planned.close()
     return out
 
 
@@ -118,4 +121,10 @@ def test_a_policy_wrong_on_one_rank_is_refused_on_every_rank(ranks: list[dict[st
     for r in ranks:
         assert "no layer of this model names its parts" in r["no_parts"], r["no_parts"]
         assert "returned 'yes' for layer 3" in r["bad_answer"], r["bad_answer"]
-        assert "checkpoint='mlp' is not one of" in r["planner"], r["planner"]  # the planner's whole-stage modes
+
+
+def test_the_planner_holds_a_policy_given_and_each_rank_keeps_its_own(ranks: list[dict[str, Any]]) -> None:
+    names = [r["planned"][0] for r in ranks]
+    assert names == ["layers <lambda>"] * 2, names
+    assert sum(r["planned"][1] for r in ranks) == 1  # layer 2 is one rank's, recomputed there alone
+    assert all(r["planned"][2] == 4 for r in ranks)

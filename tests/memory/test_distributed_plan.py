@@ -71,6 +71,7 @@ def planned_on_ranks(rank: int, world: int) -> dict[str, Any]:
         "settings": (tight.balance, tight.schedule, tight.checkpoint),
         "counted": held + meter.result.peak,
         "table": tight.plan.table(),
+        "tried": sorted({str(c.checkpoint) for c in tight.plan.considered}),
     }
     tight.close()
 
@@ -121,6 +122,7 @@ def test_one_rank_plans_and_every_rank_builds_it_within_the_limit() -> None:
         tight = r["tight"]
         assert tight["settings"] != ranks[0]["free"][:3], tight["table"]
         assert tight["counted"] <= tight["limit"], (tight["counted"], tight["limit"], tight["table"])
+        assert "every other layer" in tight["tried"], tight["table"]  # per-layer recompute is on offer
         assert "memory_limit=4.00 KiB" in r["tiny"] and "needs at least" in r["tiny"], r["tiny"]
         planning = ranks[0]["tiny"].split(": ", 1)[1]
         assert planning in r["tiny"]  # raised on every rank, with the planning rank's message
