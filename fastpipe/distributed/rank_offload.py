@@ -108,6 +108,8 @@ class RankOffload:
 
     def prefetch(self, schedule: Schedule) -> Schedule:
         """``schedule`` with a ``P`` ahead of each of this rank's backwards whose micro-batch gains from offload."""
+        if all(st.offload is None for st in self.stages.values()):
+            return schedule  # the usual case, without hashing the schedule (which walks all its actions)
         key = (schedule, tuple((s, st.offload) for s, st in self.stages.items()))
         found = self._prefetched.get(key)
         if found is None:
