@@ -24,6 +24,8 @@ and time, not their gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ from fastpipe.memory.sizes import parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.skip_memory import measure_skips, stage_skip_edges
 from fastpipe.model.skips import has_skips
+from fastpipe.schedule.ir import Schedule
 from fastpipe.step.microbatch import tensors_of, to_device
 
 if TYPE_CHECKING:
@@ -114,7 +117,7 @@ def _predict(run: FitRun, window: Window, measured: tuple[_Measured, dict[int, i
         factor = optimizer_factor(run.optimizer)
     except ValueError:  # an optimizer of its own kind, before its first step: count Adam's state
         factor = _UNKNOWN_STATE
-    (stages, skips, first_input, window_bytes, transport), transient = measured
+    (stages, skips, first_input, window_bytes, transport, prefetch), transient = measured
     whole = mode if mode in ("always", "except_last") else "never"  # what recomputes whole stages in fit
     return fit_devices(
         stages,
@@ -129,6 +132,7 @@ def _predict(run: FitRun, window: Window, measured: tuple[_Measured, dict[int, i
         skips=skips,
         first_input=first_input,
         window_bytes=window_bytes,
+        prefetch=prefetch,
     )
 
 
@@ -136,7 +140,8 @@ def _nbytes(values: Any) -> int:
     return sum(t.numel() * t.element_size() for v in values for t in tensors_of(v))
 
 
-_Measured = tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[int], str]
+# Stages, skips, first input copied, window bytes, transport, and the offload's prefetches.
+_Measured = tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[int], str, Callable[[Schedule], Schedule]]
 
 
 def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
@@ -160,21 +165,27 @@ def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
             recompute=policy,
         )
         spans = measure_skips(module, sample, **side) if has_skips(module) else []
+    if any(st.offload is not None for st in pipe._stages):  # what each stage's policy takes off its device
+        stages = pipe._offload.bytes.stage_bytes(stages, sample, target, run.loss_fn)
     skips = [(a, b, float(n)) for a, b, n in stage_skip_edges(spans, pipe.balance)]
     # fit copies the micro-batches to stage 0's device and the window's targets to the last stage's.
     first_input = any(t.device != first.device for t in tensors_of(window.inputs[0]))
     moved = _nbytes(t for t in window.targets if any(x.device != last.device for x in tensors_of(t)))
-    return stages, skips, first_input, [0] * (run.num_stages - 1) + [moved], "local"
+    return stages, skips, first_input, [0] * (run.num_stages - 1) + [moved], "local", pipe._offload.prefetch
 
 
 def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
     """A :class:`~fastpipe.DistributedPipe`'s stages, each measured by its rank and relayed to every rank."""
     from fastpipe.distributed.memory_limit import _relay
+    from fastpipe.distributed.rank_offload import offloaded_stages, prefetching
 
     pipe: Any = run.pipe
     runtime = pipe.runtime
     step: Any = SimpleNamespace(microbatches=window.inputs or None, side=window.side, targets=window.targets)
-    stages, skips, *_ = _relay(pipe, step, run.loss_fn)
+    stages, skips, _, _, told = _relay(pipe, step, run.loss_fn)
+    fractions = [0.0 if t is None else t.fraction for t in told]
+    stages = offloaded_stages(stages, told, fractions)
+    moving = [s for s, f in enumerate(fractions) if f > 0]
 
     def shared(value: int, stage: int, what: str) -> int:
         return int(runtime.broadcast(torch.tensor([value], dtype=torch.int64), runtime.placement[stage], what).item())
@@ -188,4 +199,5 @@ def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
     window_bytes = [0] * run.num_stages
     window_bytes[0] += shared(inputs, 0, "the window's input bytes")
     window_bytes[-1] += shared(targets, run.num_stages - 1, "the window's target bytes")
-    return stages, skips, False, window_bytes, "ordered" if runtime.ordered else "tags"
+    transport = "ordered" if runtime.ordered else "tags"
+    return stages, skips, False, window_bytes, transport, partial(prefetching, stages=moving)

@@ -283,7 +283,7 @@ class FitRun(Iterator[Tensor]):
             return made[-1]
 
         try:
-            losses = self._execute(schedule, window, make_runner)
+            losses = self._execute(cast(Any, self.pipe)._offload.prefetch(schedule), window, make_runner)
         except BaseException:
             for runner in made:  # the statistics of mini-batches whose update never ran
                 runner.discard_norm_stats(n)
@@ -305,7 +305,7 @@ class FitRun(Iterator[Tensor]):
         pipe.last_timeline = runtime.start_timeline(pipe.trace if self.trace is None else self.trace, self.num_stages)
         runner.feed(window.inputs)
         try:
-            runtime.execute(schedule, ("F", "BW", "U"), runner, "fit")
+            runtime.execute(schedule, ("F", "BW", "U", "P"), runner, "fit")
         finally:
             runner.state.tasks.clear()
         return window.losses(runner.results)

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from fastpipe.asynchronous.weights import POLICIES
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.receive_buffers import TRANSPORTS, buffered_stages, receive_buffer_bytes
+from fastpipe.schedule.ir import Schedule
 from fastpipe.schedule.multistep import build_multistep, weight_versions
 
 __all__ = ["TRANSPORTS", "fit_devices", "receive_buffer_bytes", "update_temporaries", "weight_copy_bytes"]
@@ -164,6 +165,7 @@ def fit_devices(
     skips: Sequence[tuple[int, int, float]] = (),
     first_input: bool = False,
     window_bytes: int | Sequence[int] = 0,
+    prefetch: Callable[[Schedule], Schedule] | None = None,
 ) -> list[DeviceMemory]:
     """The predicted peak of each device over one window of ``fit``, by part.
 
@@ -183,6 +185,8 @@ def fit_devices(
         window_bytes: per stage (or one for all), bytes its device holds for the whole window
             besides (the targets ``fit`` moves to the last stage's device), counted with the
             receive buffers.
+        prefetch: the pipe's offload: the window's stream with its ``P`` actions, as ``fit`` runs it
+            (``stages`` then say what each offloads); None: nothing offloaded.
 
     Raises:
         ValueError: an unknown policy, checkpoint mode or transport, or a list of the wrong length.
@@ -192,6 +196,8 @@ def fit_devices(
         raise ValueError(f"fastpipe: consistency must be one of {POLICIES}, got {consistency!r}")
     k = len(stages) if workers is None else workers
     schedule = build_multistep(len(stages), microbatches, minibatches, flush=consistency == "sync", workers=k)
+    if prefetch is not None:
+        schedule = prefetch(schedule)
     kept = receive_buffer_bytes(schedule, stages, transport)
     extra = [window_bytes] * len(stages) if isinstance(window_bytes, int) else list(window_bytes)
     if len(extra) != len(stages):

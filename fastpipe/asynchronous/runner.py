@@ -111,7 +111,7 @@ class MultistepRunner(StepRunner):
         self.sums: dict[tuple[int, int], list[Tensor | None]] = {}
 
     def handlers(self) -> dict[str, Callable[[Action], float]]:
-        return {"F": self.forward, "BW": self.backward, "U": self.update}
+        return {"F": self.forward, "BW": self.backward, "U": self.update, "P": self.state.offload.prefetch}
 
     def forward(self, action: Action) -> float:
         self.weights[action.stage].acquire(action.microbatch)

@@ -36,7 +36,7 @@ from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
 from fastpipe.schedule.prefetch import with_prefetch, worth_prefetching
 
-__all__ = ["RankOffload", "StageOffload", "choose_fractions", "offloaded"]
+__all__ = ["RankOffload", "StageOffload", "choose_fractions", "offloaded", "offloaded_stages", "prefetching"]
 
 _AUTO_STEPS = 8  # "auto" tries fractions in eighths, as Pipe's does
 
@@ -153,6 +153,19 @@ def offloaded(
     lookahead: int = 1,
 ) -> tuple[Schedule, list[StageBytes]]:
     """The whole pipeline's step under ``fractions`` (one per stage): its prefetches, each stage's bytes offloaded."""
+    moving = [s for s, f in enumerate(fractions) if f > 0]
+    return prefetching(schedule, moving, lookahead), offloaded_stages(stages, offload, fractions)
+
+
+def prefetching(schedule: Schedule, stages: Sequence[int], lookahead: int = 1) -> Schedule:
+    """``schedule`` with the prefetches of ``stages``' micro-batches that gain from offload."""
+    return with_prefetch(schedule, _worth(schedule, stages, lookahead), lookahead)
+
+
+def offloaded_stages(
+    stages: Sequence[StageBytes], offload: Sequence[StageOffload | None], fractions: Sequence[float]
+) -> list[StageBytes]:
+    """``stages`` with what ``fractions`` (one per stage) offload of each, as their owners measured it."""
     held = []
     for st, told, f in zip(stages, offload, fractions):
         if told is None or f <= 0:
@@ -160,8 +173,7 @@ def offloaded(
             continue
         taken = round(f * st.activation) if told.sizes is None else sum(told.sizes[: chosen_prefix(told.sizes, f)])
         held.append(dataclasses.replace(st, offloaded=min(taken, st.activation)))
-    moving = [s for s, f in enumerate(fractions) if f > 0]
-    return with_prefetch(schedule, _worth(schedule, moving, lookahead), lookahead), held
+    return held
 
 
 def choose_fractions(
