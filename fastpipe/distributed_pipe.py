@@ -106,7 +106,7 @@ class DistributedPipe(nn.Module):
         memory_limit: bytes per device (or ``"24GiB"``), checked on every rank before a step runs.
         optimizer_state: the optimizer state per device that ``memory_limit`` counts, as for :class:`fastpipe.Pipe`.
         offload: saved activations kept in host memory, as for :class:`fastpipe.Pipe`; a list has one entry per
-            stage of the whole pipeline (:mod:`fastpipe.distributed.rank_offload`). ``train_step`` only.
+            stage of the whole pipeline (:mod:`fastpipe.distributed.rank_offload`); ``fit`` runs it too.
         sample, sample_side_inputs: with ``balance="auto"``: a mini-batch like the real ones (read on the
             first rank) and its side inputs.
 
@@ -204,7 +204,7 @@ class DistributedPipe(nn.Module):
         }
         kw = {"group": group, "dp_group": dp, "timeout": timeout, "bucket_bytes": bucket_bytes, "placement": placed}
         kw["first_step_timeout"] = first_step_timeout
-        self._offload = RankOffload(offload, stages, balance, guard is not None)
+        self._offload, wrong = RankOffload.reported(offload, stages, balance, guard is not None)
         self._runtime = DistributedRuntime(stages, len(balance), p2p=opts.p2p, tune_malloc=opts.tune_malloc, **kw)
         settings = {"balance": balance, "chunks": chunks, "schedule": schedule, "checkpoint": described(checkpoint),
                     "deferred_batch_norm": deferred_batch_norm, "on_nan": on_nan, "dp_shard": dp_shard,
@@ -215,7 +215,7 @@ class DistributedPipe(nn.Module):
             check_same_settings(settings, among, what, timeout)
         # Each rank checks the side inputs of a call against the whole model's, and learns its ties.
         mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report(),
-                      "regions": rank_regions(checkpoint, stages, balance)}  # fmt: skip
+                      "regions": rank_regions(checkpoint, stages, balance, wrong)}  # fmt: skip
         facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)
         check_regions(checkpoint, [f["regions"] for f in facts])
         self._side_names = list(dict.fromkeys(n for f in facts for n in f["side"]))

@@ -30,7 +30,7 @@ from fastpipe.memory.limit import MARGIN
 from fastpipe.memory.model import DeviceMemory, StageBytes
 from fastpipe.memory.offload import FORMS, OffloadSpec, stage_policy
 from fastpipe.memory.offload_bytes import OffloadBytes
-from fastpipe.runtime.host_copies import check_host_memory
+from fastpipe.runtime.host_copies import HostMemoryError, check_host_memory
 from fastpipe.runtime.offload import OffloadPolicy, chosen_prefix
 from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
@@ -105,6 +105,18 @@ class RankOffload:
                 stacklevel=3,
             )
         self._prefetched: dict[tuple[Any, ...], Schedule] = {}
+
+    @classmethod
+    def reported(
+        cls, spec: OffloadSpec, stages: Mapping[int, Stage], balance: Sequence[int], limited: bool
+    ) -> tuple[RankOffload, str]:
+        """A :class:`RankOffload`, and what was wrong with ``spec`` here ("" if nothing): a predicate may
+        fail on this rank's layers alone, so the error is raised on every rank once the ranks have met
+        (:func:`~fastpipe.distributed.rank_recompute.check_regions`), not here, where the others would wait."""
+        try:
+            return cls(spec, stages, balance, limited), ""
+        except (ValueError, HostMemoryError) as exc:
+            return cls(None, stages, balance, limited), f"{type(exc).__name__}: {exc}"
 
     def prefetch(self, schedule: Schedule) -> Schedule:
         """``schedule`` with a ``P`` ahead of each of this rank's backwards whose micro-batch gains from offload."""

@@ -28,20 +28,27 @@ def stage_policy(policy: Recompute, balance: Sequence[int], s: int) -> Recompute
     return policy.at(sum(balance[:s]))
 
 
-def rank_regions(setting: object, stages: Mapping[int, Stage], balance: Sequence[int]) -> dict[str, Any]:
+def rank_regions(
+    setting: object, stages: Mapping[int, Stage], balance: Sequence[int], error: str = ""
+) -> dict[str, Any]:
     """Set ``setting``'s regions on this rank's stages (a per-layer policy; nothing for another setting).
+
+    Args:
+        setting: the pipe's ``checkpoint``.
+        stages: this rank's stages, by index.
+        balance: layers per stage of the whole pipeline.
+        error: what else went wrong building this rank's part (its ``offload=``), to raise on every rank.
 
     Returns:
         What :func:`check_regions` takes from every rank: the parts this rank's layers name, and
-        the error its policy raised here, if any (the regions are then left unset).
+        the error its policy raised here or ``error``, if any (the regions are then left unset).
     """
     offered: dict[str, int] = {}
     for st in stages.values():
         for layer in st.module.children():
             for name in layer_parts(layer):
                 offered[name] = offered.get(name, 0) + 1
-    error = ""
-    if isinstance(setting, Recompute):
+    if isinstance(setting, Recompute) and not error:
         try:
             found = {s: stage_policy(setting, balance, s).regions([st.module])[0] for s, st in stages.items()}
         except ValueError as exc:

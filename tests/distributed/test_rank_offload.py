@@ -130,7 +130,11 @@ def offload_on_ranks(rank: int, world: int) -> dict[str, Any]:
         pipe = DistributedPipe(model(), [3, 3], chunks=M, offload=0.5)
     out["cpu"] = ([str(w.message) for w in caught], [st.offload for st in pipe._stages.values()])
     pipe.close()
-    for name, bad in (("short", [0.5]), ("word", "half"), ("big", 2.0)):
+
+    def wrong_on_rank_1(index: int, layer: nn.Module) -> bool:
+        return "yes" if index == 4 else False  # type: ignore[return-value]
+
+    for name, bad in (("short", [0.5]), ("word", "half"), ("big", 2.0), ("one_rank", wrong_on_rank_1)):
         try:
             DistributedPipe(model(), [3, 3], chunks=M, offload=bad).close()
             out[name] = ""
@@ -184,6 +188,7 @@ def test_offload_on_cpu_stages_is_a_warned_no_op_and_bad_settings_are_refused(ra
         assert any("does nothing on CPU stages" in m for m in messages) and policies == [None]
         assert "one per stage" in r["short"]
         assert "accepted forms" in r["word"] and "accepted forms" in r["big"]
+        assert "must return a bool" in r["one_rank"] and "layer 4" in r["one_rank"], r["one_rank"]  # both ranks
 
 
 def test_fit_on_ranks_offloads_and_trains_bitwise_as_without(ranks: list[dict[str, Any]]) -> None:
