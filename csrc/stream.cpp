@@ -54,6 +54,13 @@ std::shared_ptr<Stream> Stream::from_handle(int device, uintptr_t handle) {
 }
 
 Stream::~Stream() {
+  if (worker_ && worker_->forked()) {
+    // In a child of fork(): the worker's thread is gone but its condition variable still
+    // counts it as a waiter, so destroying it would block forever (pthread_cond_destroy).
+    // Leak the worker; the process that owns its thread frees it.
+    static_cast<void>(worker_.release());
+    return;
+  }
   try {
     close();
   } catch (...) {

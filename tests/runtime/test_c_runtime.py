@@ -371,3 +371,32 @@ def test_stream_work_overlaps_the_caller(stream):
     total = time.perf_counter() - t0
     assert enqueue_s < 0.1
     assert total < 0.5  # serial would be >= 0.6
+
+
+def test_a_fork_after_host_streams_ran_does_not_hang_the_child():
+    # The device module's cache holds the only reference to these streams, so the child's
+    # at-fork reset destroys them: their workers' threads are gone there, but their condition
+    # variables still count them as waiters (a DataLoader's forked workers after offload).
+    import os
+    import signal
+
+    from fastpipe.runtime import device as dev
+
+    for direction in dev.COPY_DIRECTIONS:
+        stream = dev.copy_stream(torch.device("cpu"), direction)
+        stream.delay(0.0)
+        stream.synchronize()  # the worker now waits for more work
+        del stream
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not dev._copy_streams else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WEXITSTATUS(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung in its at-fork reset")
