@@ -377,6 +377,7 @@ class DistributedPipe(nn.Module):
         max_grad_norm: float | None = None,
         window: int = 8,
         trace: bool = False,
+        memory_limit: float | str | None = None,
     ) -> Any:
         """:meth:`fastpipe.Pipe.fit` on every rank (its stage, or its virtual stages interleaved); see
         :mod:`fastpipe.asynchronous.distributed`.
@@ -387,10 +388,12 @@ class DistributedPipe(nn.Module):
         its gradient over the replicas first (with ``dp_shard="fsdp"``, into this rank's shard
         of it). A batch may carry side inputs as a third item (every rank's, as for
         :meth:`train_step`). It refuses tied weights across stages (each stage updates on its
-        own, so the copies would drift).
+        own, so the copies would drift). ``memory_limit`` (default the pipe's; the same on every
+        rank) is checked per window on every rank (:mod:`fastpipe.asynchronous.fit_limit`).
         """
         return DistributedFitRun(self, batches, loss_fn, optimizer, consistency=consistency, scheduler=scheduler,
-                                 max_grad_norm=max_grad_norm, window=window, trace=trace)  # fmt: skip
+                                 max_grad_norm=max_grad_norm, window=window, trace=trace,
+                                 memory_limit=memory_limit)  # fmt: skip
 
     def close(self) -> None:
         """Drop the runtime's pending state (the process groups stay the caller's)."""

@@ -17,17 +17,21 @@ so every rank reaches the same verdict.
 
 Under ``checkpoint="auto"`` (a pipe's default under ``memory_limit``) each window shape runs the
 least whole-stage recompute whose prediction fits: ``"never"``, then ``"except_last"``, then
-``"always"``, from the one measurement. Every rank of a pipeline predicts from the same figures,
-so all choose alike; data-parallel replicas may choose apart, which changes only their memory
-and time, not their gradients.
+``"always"``, from the one measurement. Under ``offload="auto"`` each recompute tried first gets,
+per device, the least offloaded share in eighths whose prediction fits
+(:func:`~fastpipe.memory.offload_choice.choose_fractions`, as a ``train_step`` chooses), and the
+window's stages run with it. Every rank of a pipeline predicts from the same figures, so all
+choose alike; data-parallel replicas may choose apart, which changes only their memory and time,
+not their gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -37,12 +41,13 @@ from fastpipe.asynchronous.window import Window
 from fastpipe.balance._untouched import grads_set_aside, state_kept
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, StageBytes
+from fastpipe.memory.offload_choice import StageOffload, choose_fractions, offloaded_stages, prefetching
 from fastpipe.memory.optimizer import optimizer_factor
 from fastpipe.memory.sizes import parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.skip_memory import measure_skips, stage_skip_edges
 from fastpipe.model.skips import has_skips
-from fastpipe.schedule.ir import Schedule
+from fastpipe.schedule.multistep import build_multistep
 from fastpipe.step.microbatch import tensors_of, to_device
 
 if TYPE_CHECKING:
@@ -65,6 +70,7 @@ class FitMemoryGuard:
         limit: the budget in bytes.
         predicted: every device's prediction, by window shape.
         chosen: the whole-stage recompute each window shape runs with.
+        offload: each stage's offloaded share, by window shape (under ``offload="auto"``, the least that fits).
         last: every device's prediction for the last window checked.
         checkpoint: what the last window checked recomputes: the pipe's mode, or what ``"auto"`` chose.
     """
@@ -73,6 +79,7 @@ class FitMemoryGuard:
         self.limit = parse_bytes(limit)
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         self.chosen: dict[tuple[Any, ...], str] = {}
+        self.offload: dict[tuple[Any, ...], list[float]] = {}
         self.last: list[DeviceMemory] = []
         self.checkpoint: str | None = None
 
@@ -86,14 +93,23 @@ class FitMemoryGuard:
         shape = tuple((tuple(t.shape), t.dtype) for t in tensors_of(window.inputs[0])) if local else ()
         key = (window.minibatches, window.microbatches, tuple(window.sizes), shape)
         auto = isinstance(run.checkpoint_mode, str) and run.checkpoint_mode == "auto"
+        offload: Any = cast(Any, run.pipe)._offload
         if key not in self.predicted:
             measured = _measure(run, window)
+            told = measured[0].told
+            fractions = [0.0 if t is None else t.fraction for t in told]
+            stream = build_multistep(run.num_stages, window.microbatches, window.minibatches,
+                                     flush=run.consistency == "sync", workers=run.num_workers)  # fmt: skip
             for mode in _LEAST_FIRST if auto else (run.checkpoint_mode,):  # the least recompute first
-                devices = _predict(run, window, measured, mode)
+                predict = partial(_predict, run, window, measured, mode)
+                if offload.auto:
+                    fractions = choose_fractions(predict, stream, told, self.limit)
+                devices = predict(fractions)
                 if over_limit(devices, self.limit) is None:
                     break
-            self.predicted[key], self.chosen[key] = devices, mode
+            self.predicted[key], self.chosen[key], self.offload[key] = devices, mode, fractions
         devices, self.checkpoint = self.predicted[key], self.chosen[key]
+        offload.apply(self.offload[key])  # "auto"'s shares, set before the window's prefetches are added
         self.last = devices
         over = over_limit(devices, self.limit)
         if over is not None:
@@ -112,12 +128,17 @@ def _measure(run: FitRun, window: Window) -> tuple[_Measured, dict[int, int]]:
     return _ranks(run, window, transient), transient
 
 
-def _predict(run: FitRun, window: Window, measured: tuple[_Measured, dict[int, int]], mode: Any) -> list[DeviceMemory]:
+def _predict(
+    run: FitRun, window: Window, measured: tuple[_Measured, dict[int, int]], mode: Any, fractions: Sequence[float]
+) -> list[DeviceMemory]:
+    """Every device's peak over ``window`` under recompute ``mode`` and offloaded ``fractions`` (one per stage)."""
     try:
         factor = optimizer_factor(run.optimizer)
     except ValueError:  # an optimizer of its own kind, before its first step: count Adam's state
         factor = _UNKNOWN_STATE
-    (stages, skips, first_input, window_bytes, transport, prefetch), transient = measured
+    found, transient = measured
+    stages = offloaded_stages(found.stages, found.told, fractions)
+    moving = [s for s, f in enumerate(fractions) if f > 0]
     whole = mode if mode in ("always", "except_last") else "never"  # what recomputes whole stages in fit
     return fit_devices(
         stages,
@@ -128,11 +149,11 @@ def _predict(run: FitRun, window: Window, measured: tuple[_Measured, dict[int, i
         optimizer=factor,
         update_transient=[transient.get(s, 0) for s in range(run.num_stages)],
         workers=run.num_workers,
-        transport=transport,
-        skips=skips,
-        first_input=first_input,
-        window_bytes=window_bytes,
-        prefetch=prefetch,
+        transport=found.transport,
+        skips=found.skips,
+        first_input=found.first_input,
+        window_bytes=found.window_bytes,
+        prefetch=partial(prefetching, stages=moving, lookahead=found.lookahead),
     )
 
 
@@ -140,8 +161,27 @@ def _nbytes(values: Any) -> int:
     return sum(t.numel() * t.element_size() for v in values for t in tensors_of(v))
 
 
-# Stages, skips, first input copied, window bytes, transport, and the offload's prefetches.
-_Measured = tuple[list[StageBytes], list[tuple[int, int, float]], bool, list[int], str, Callable[[Schedule], Schedule]]
+@dataclass
+class _Measured:
+    """What a window shape's prediction starts from, measured once.
+
+    Attributes:
+        stages: each stage's bytes, nothing offloaded.
+        skips: the skips between stages, ``(producer, consumer, bytes)``.
+        first_input: whether ``fit`` copies the micro-batches to stage 0's device.
+        window_bytes: per stage, the bytes its device holds for the whole window besides.
+        transport: the pipeline's transport, as the memory model names it.
+        told: per stage, what it can offload (:class:`~fastpipe.memory.offload_choice.StageOffload`).
+        lookahead: compute actions between a prefetch and its backward.
+    """
+
+    stages: list[StageBytes]
+    skips: list[tuple[int, int, float]]
+    first_input: bool
+    window_bytes: list[int]
+    transport: str
+    told: list[StageOffload | None]
+    lookahead: int
 
 
 def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
@@ -165,27 +205,23 @@ def _local(run: FitRun, window: Window, policy: Any) -> _Measured:
             recompute=policy,
         )
         spans = measure_skips(module, sample, **side) if has_skips(module) else []
-    if any(st.offload is not None for st in pipe._stages):  # what each stage's policy takes off its device
-        stages = pipe._offload.bytes.stage_bytes(stages, sample, target, run.loss_fn)
+    told = pipe._offload.told(sample, target, run.loss_fn)  # what each stage can take off its device
     skips = [(a, b, float(n)) for a, b, n in stage_skip_edges(spans, pipe.balance)]
     # fit copies the micro-batches to stage 0's device and the window's targets to the last stage's.
     first_input = any(t.device != first.device for t in tensors_of(window.inputs[0]))
     moved = _nbytes(t for t in window.targets if any(x.device != last.device for x in tensors_of(t)))
-    return stages, skips, first_input, [0] * (run.num_stages - 1) + [moved], "local", pipe._offload.prefetch
+    window_bytes = [0] * (run.num_stages - 1) + [moved]
+    return _Measured(stages, skips, first_input, window_bytes, "local", told, pipe._offload.lookahead)
 
 
 def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
     """A :class:`~fastpipe.DistributedPipe`'s stages, each measured by its rank and relayed to every rank."""
     from fastpipe.distributed.memory_limit import _relay
-    from fastpipe.distributed.rank_offload import offloaded_stages, prefetching
 
     pipe: Any = run.pipe
     runtime = pipe.runtime
     step: Any = SimpleNamespace(microbatches=window.inputs or None, side=window.side, targets=window.targets)
     stages, skips, _, _, told = _relay(pipe, step, run.loss_fn)
-    fractions = [0.0 if t is None else t.fraction for t in told]
-    stages = offloaded_stages(stages, told, fractions)
-    moving = [s for s, f in enumerate(fractions) if f > 0]
 
     def shared(value: int, stage: int, what: str) -> int:
         return int(runtime.broadcast(torch.tensor([value], dtype=torch.int64), runtime.placement[stage], what).item())
@@ -200,4 +236,4 @@ def _ranks(run: FitRun, window: Window, transient: dict[int, int]) -> _Measured:
     window_bytes[0] += shared(inputs, 0, "the window's input bytes")
     window_bytes[-1] += shared(targets, run.num_stages - 1, "the window's target bytes")
     transport = "ordered" if runtime.ordered else "tags"
-    return stages, skips, False, window_bytes, transport, partial(prefetching, stages=moving)
+    return _Measured(stages, skips, False, window_bytes, transport, told, pipe._offload.lookahead)

@@ -45,11 +45,11 @@ from torch.distributed.tensor import DTensor
 
 from fastpipe.balance._untouched import state_kept
 from fastpipe.distributed.fsdp_step import StageShards
-from fastpipe.distributed.rank_offload import StageOffload, choose_fractions, offloaded
 from fastpipe.distributed.rank_recompute import stage_policy
 from fastpipe.errors import PipelineError
 from fastpipe.memory.limit import over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
+from fastpipe.memory.offload_choice import StageOffload, choose_fractions, offloaded
 from fastpipe.memory.receive_buffers import buffered_stages, receive_buffer_bytes
 from fastpipe.memory.sharded import ShardBytes, shard_bytes
 from fastpipe.memory.sizes import parse_bytes

@@ -153,11 +153,12 @@ def over_limit(devices: Sequence[DeviceMemory], limit: int) -> DeviceMemory | No
 def refusal(device: DeviceMemory, limit: int) -> str:
     """Why ``device`` cannot run under ``limit`` bytes: what it needs, by part, and what to change."""
     parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in device.parts.items() if n)
+    offload = "" if device.offloaded else ", offload saved activations to host memory (offload='auto')"
     return (
         f"fastpipe: device {device.worker} (stages {', '.join(map(str, device.stages))}) needs "
         f"{format_bytes(device.total)}, plus {MARGIN:.0%} kept for the prediction's error, over "
         f"memory_limit={format_bytes(limit)}: {parts}. Raise the limit, recompute "
-        "(checkpoint='always'), use fewer or smaller micro-batches, or spread the model over more devices"
+        f"(checkpoint='always'){offload}, use fewer or smaller micro-batches, or spread the model over more devices"
     )
 
 

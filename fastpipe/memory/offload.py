@@ -7,8 +7,9 @@ The setting takes one of these forms:
 * a layer predicate ``fn(index, layer) -> bool`` (``index`` in the whole model): the saved
   tensors of the layers it picks;
 * a list with one of those per stage (a fraction, a predicate, or None);
-* ``"auto"``: with ``memory_limit=``, per device the least fraction, in eighths, whose predicted
-  peak fits (:mod:`fastpipe.memory.limit`); without a limit, nothing.
+* ``"auto"``: with ``memory_limit=`` (the pipe's, or ``fit``'s), per device the least fraction,
+  in eighths, whose predicted peak fits (:mod:`fastpipe.memory.offload_choice`); without a
+  limit, nothing.
 
 Offloading a CPU stage does nothing (its memory is host memory already): the pipe warns once, when
 it is built, and runs it without. A CUDA stage on a host that cannot give page-locked memory is
@@ -29,14 +30,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from fastpipe.memory.limit import MARGIN, MemoryGuard, sample_key
+from fastpipe.memory.limit import MemoryGuard, sample_key
+from fastpipe.memory.model import DeviceMemory
 from fastpipe.memory.offload_bytes import OffloadBytes
+from fastpipe.memory.offload_choice import StageOffload, choose_fractions, prefetching
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.runtime.host_copies import check_host_memory
 from fastpipe.runtime.offload import OffloadPolicy
 from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
-from fastpipe.schedule.prefetch import with_prefetch, worth_prefetching
 
 __all__ = ["FORMS", "OffloadSpec", "PipeOffload", "resolve_offload", "stage_policy"]
 
@@ -49,7 +51,6 @@ FORMS = (
     "a list with one fraction, predicate or None per stage, 'auto' (the least offload that fits memory_limit), "
     "or 0 / None for none"
 )
-_AUTO_STEPS = 8  # "auto" tries fractions in eighths
 _log = logging.getLogger("fastpipe")
 
 
@@ -132,7 +133,10 @@ class PipeOffload:
         if isinstance(spec, str) and not _is_auto(spec):
             raise ValueError(f"fastpipe: offload={spec!r} is not valid; accepted forms: {FORMS}")
         self.stages = list(stages)
+        #: Whether ``offload="auto"`` was asked: a guard (the pipe's, or ``fit``'s) then chooses the shares.
         self.auto = _is_auto(spec)
+        #: Per stage, whether ``"auto"`` may offload it: those off the CPU.
+        self.movable = [st.device.type != "cpu" for st in self.stages]
         self.guard = guard
         self.lookahead = lookahead
         self.bytes = OffloadBytes(self.stages)
@@ -166,8 +170,7 @@ class PipeOffload:
         found = self._prefetched.get(key)
         if found is None:
             offloading = [s for s, st in enumerate(self.stages) if st.offload is not None and st.offload.fraction > 0]
-            pairs = [(s, m) for s in offloading for m in range(schedule.num_microbatches)]
-            found = with_prefetch(schedule, worth_prefetching(schedule, pairs, self.lookahead), self.lookahead)
+            found = prefetching(schedule, offloading, self.lookahead)
             self._prefetched[key] = found
         return found
 
@@ -198,19 +201,49 @@ class PipeOffload:
             modules = [st.module for st in self.stages]
             layers = [layer for m in modules for layer in m.children()]
             balance = [len(list(m.children())) for m in modules]
-            devices = [st.device for st in self.stages]
-            best: dict[int, float] = {}
-            for step in range(_AUTO_STEPS + 1):
-                fraction = step / _AUTO_STEPS
-                self._set([OffloadPolicy(fraction) if d.type != "cpu" and fraction else None for d in devices])
-                for d in guard.predict(layers, balance, self.prefetch(schedule), *rest):
-                    if d.worker not in best and d.total * (1 + MARGIN) <= guard.limit:
-                        best[d.worker] = fraction
-                if len(best) == schedule.num_workers:
-                    break
-            share = [best.get(schedule.worker_of(s), 1.0) for s in range(len(self.stages))]
-            chosen = tuple(OffloadPolicy(f) if f and d.type != "cpu" else None for f, d in zip(share, devices))
+
+            def predict(fractions: Sequence[float]) -> list[DeviceMemory]:
+                self._set(self._policies(fractions))
+                return guard.predict(layers, balance, self.prefetch(schedule), *rest)
+
+            told = [StageOffload(0.0, None, m) for m in self.movable]  # the guard measures the sizes itself
+            chosen = self._policies(choose_fractions(predict, schedule, told, guard.limit))
             self._chosen[key] = chosen
             shown = ", ".join(f"stage {s}: {p.fraction:g}" for s, p in enumerate(chosen) if p is not None)
             _log.info("fastpipe: offload='auto' under %s: %s", format_bytes(guard.limit), shown or "nothing")
         self._set(chosen)
+
+    def _policies(self, fractions: Sequence[float]) -> tuple[OffloadPolicy | None, ...]:
+        # A CPU stage is movable only where a test made it so: it then takes _C's host path.
+        return tuple(
+            OffloadPolicy(f, force=st.device.type == "cpu") if f > 0 else None for f, st in zip(fractions, self.stages)
+        )
+
+    def told(self, sample: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor] | None) -> list[StageOffload | None]:
+        """Per stage, what it can offload of one micro-batch (None: nothing), as :func:`offloaded` takes it.
+
+        Under ``"auto"`` every movable stage reports all its layers' saved tensors at share 0 (the
+        share is the chooser's); otherwise each stage with a policy reports its policy's.
+        """
+        policies: list[OffloadPolicy | None] = [None] * len(self.stages) if self.auto else list(self.bytes.key)
+        if not any(self.movable if self.auto else policies):  # nothing to measure: no forward
+            return [None] * len(self.stages)
+        scopes = tuple(None if p is None else p.layers for p in policies)
+        sizes = self.bytes.sizes(sample, target, loss_fn, scopes)
+        if self.auto:
+            return [StageOffload(0.0, found, True) if m else None for found, m in zip(sizes, self.movable)]
+        return [None if p is None else StageOffload(p.fraction, found, False) for p, found in zip(policies, sizes)]
+
+    def apply(self, fractions: Sequence[float]) -> None:
+        """Set ``"auto"``'s choice, one share per stage, on the stages (nothing unless ``"auto"``).
+
+        Raises:
+            fastpipe.runtime.host_copies.HostMemoryError: a share for a device whose host cannot
+                give page-locked memory (checked when the pipe is built where it has a limit).
+        """
+        if not self.auto:
+            return
+        for f, st in zip(fractions, self.stages):
+            if f > 0 and st.device.type != "cpu":
+                check_host_memory(st.device)
+        self._set(self._policies(fractions))

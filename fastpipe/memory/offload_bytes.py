@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from fastpipe.balance._untouched import state_kept
 from fastpipe.memory.limit import sample_key
 from fastpipe.memory.model import StageBytes
+from fastpipe.memory.offload_choice import taken
 from fastpipe.runtime.host_copies import CopyPath
-from fastpipe.runtime.offload import OffloadPolicy, SavedSet, chosen_prefix, saving_hooks
+from fastpipe.runtime.offload import OffloadPolicy, SavedSet, saving_hooks
 from fastpipe.runtime.stage import Stage
 from fastpipe.runtime.wgrad import Deferred, accumulating_linears
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of, to_device
@@ -71,11 +72,7 @@ class OffloadBytes:
             if policy is None:
                 out.append(st)
                 continue
-            if found is None:
-                taken = round(policy.fraction * st.activation)
-            else:
-                taken = sum(found[: chosen_prefix(found, policy.fraction)])
-            out.append(dataclasses.replace(st, offloaded=min(taken, st.activation)))
+            out.append(dataclasses.replace(st, offloaded=taken(found, policy.fraction, st.activation)))
         return out
 
     def sizes(

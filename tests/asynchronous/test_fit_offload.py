@@ -107,3 +107,35 @@ def test_the_fit_guard_counts_the_offload_and_the_counted_peak_agrees() -> None:
     # A device copy is dropped when its host copy has landed, which a busy host delays: the count
     # with offload lies between its prediction and the plain one, where it depends on that timing.
     assert device.total <= offloaded * 1.05 and offloaded <= plain_device.total * 1.05
+
+
+def _fit(pipe: fastpipe.Pipe, limit: int | str) -> tuple[list[float], list[torch.Tensor], Any]:
+    try:
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+        run = pipe.fit(batches(), ProductLoss(), opt, consistency="stash", window=N, memory_limit=limit)
+        losses = [float(loss) for loss in run]
+        return losses, [p.detach().clone() for p in pipe.parameters()], run.memory_guard
+    finally:
+        pipe.close()
+
+
+def test_fit_chooses_auto_offload_under_a_limit_only_offload_meets(sent: list[int]) -> None:
+    def pipe(offload: Any = None) -> fastpipe.Pipe:
+        # Four stages: with two, each stage's backwards follow its forwards too closely to gain from offload.
+        return fastpipe.Pipe(mlp(), [1, 1, 1, 1], chunks=M, checkpoint="never", offload=offload)
+
+    plain, plain_params, guard = _fit(pipe(), "1TiB")
+    _, _, whole = _fit(forced(pipe(), 1.0), "1TiB")
+    least, most = (max(d.total for d in g.last) * 1.05 for g in (whole, guard))
+    assert least < most
+    limit = int((least + most) / 2)
+    with pytest.raises(ValueError, match=r"over memory_limit.*offload='auto'"):  # without offload nothing fits
+        _fit(pipe(), limit)
+    auto = pipe("auto")
+    auto._offload.movable = [True] * 4  # CPU stages take _C's host path, as a GPU stage's do
+    sent[0] = 0
+    losses, params, chosen = _fit(auto, limit)
+    ((key, shares),) = chosen.offload.items()
+    assert any(0 < f for f in shares) and all(f <= 1 for f in shares), shares
+    assert all(d.total * 1.05 <= limit for d in chosen.last) and sent[0] > 0
+    assert losses == plain and all(torch.equal(a, b) for a, b in zip(plain_params, params))

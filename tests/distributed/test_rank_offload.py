@@ -125,6 +125,33 @@ def offload_on_ranks(rank: int, world: int) -> dict[str, Any]:
         "host": (plain_host, host),
     }
 
+    # fit under offload="auto": four stages over the two ranks, as two stages gain nothing from offload in fit.
+    def fitted_on(offload: Any, fraction: float, limit: int | str) -> tuple[list[float], Any, list[torch.Tensor]]:
+        pipe = DistributedPipe(model(), [2, 1, 1, 2], chunks=M, schedule="interleaved", checkpoint="never",
+                               offload=offload)  # fmt: skip
+        for st in pipe._stages.values():
+            st.offload = OffloadPolicy(fraction, force=True) if fraction else st.offload
+        if offload == "auto":
+            pipe._offload.movable = dict.fromkeys(pipe._stages, True)
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+        run = pipe.fit(batches, ProductLoss(), opt, consistency="stash", window=2, memory_limit=limit)
+        losses = [float(loss) for loss in run]
+        pipe.close()
+        return losses, run.memory_guard, [p.detach().clone() for p in pipe.parameters()]
+
+    plain, guard, plain_params = fitted_on(None, 0.0, "1GiB")
+    least, most = (max(d.total for d in g.last) * 1.05 for g in (fitted_on(None, 1.0, "1GiB")[1], guard))
+    limit = int((least + most) / 2)
+    sent[0] = 0
+    losses, guard, params = fitted_on("auto", 0.0, limit)
+    out["fit auto"] = {
+        "limit": limit,
+        "chosen": list(guard.offload.values()),
+        "totals": [d.total for d in guard.last],
+        "sent": sent[0],
+        "bitwise": plain == losses and all(torch.equal(a, b) for a, b in zip(plain_params, params)),
+    }
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = DistributedPipe(model(), [3, 3], chunks=M, offload=0.5)
@@ -180,6 +207,16 @@ def test_auto_offloads_the_least_that_fits_and_keeps_the_gradients(ranks: list[d
         assert any(0 < f for f in auto["chosen"]) and all(f <= 1 for f in auto["chosen"])
         assert all(t * 1.05 <= auto["limit"] for t in auto["totals"]) and auto["bitwise"]
     assert sum(r["auto"]["sent"] for r in ranks) > 0
+
+
+def test_fit_on_ranks_chooses_auto_offload_under_a_limit_only_offload_meets(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        auto = r["fit auto"]
+        assert auto == {**ranks[0]["fit auto"], "sent": auto["sent"]}  # every rank chose the same
+        ((shares),) = auto["chosen"]
+        assert any(0 < f for f in shares) and all(f <= 1 for f in shares), shares
+        assert all(t * 1.05 <= auto["limit"] for t in auto["totals"]) and auto["bitwise"]
+    assert sum(r["fit auto"]["sent"] for r in ranks) > 0
 
 
 def test_offload_on_cpu_stages_is_a_warned_no_op_and_bad_settings_are_refused(ranks: list[dict[str, Any]]) -> None:
