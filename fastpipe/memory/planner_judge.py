@@ -25,6 +25,7 @@ from fastpipe.step.recompute_policy import Recompute
 __all__ = ["Judge", "bounds", "makespan", "propose_balances", "refuse_floors", "stage_bytes", "stage_costs"]
 
 _OFFLOAD_STEPS = 8  # offload fractions in eighths, as offload="auto" tries them
+_TIGHTER = (1.0, 0.95, 0.9)  # the shares of the limit the memory-planned cuts are planned under
 
 
 class Judge:
@@ -198,7 +199,11 @@ def propose_balances(
 
     The memory-planned ones only propose cuts (each combination is then judged by the memory
     model), so a stage's need is estimated in closed form: its state, and 1F1B's ``K - s``
-    micro-batches in flight, whole (``"never"``) or as their inputs (``"always"``).
+    micro-batches in flight, whole (``"never"``) or as each per-layer policy of the profile keeps
+    them (each with a split backward's W records and without), or as their inputs
+    (``"always"``). A policy's own cut matters where the time-planned cut fits only under more
+    recompute: the first stages hold the most micro-batches, so moving layers off them can let
+    a lighter policy fit.
     """
     fwd, bwd = list(profile.forward), list(profile.backward)
     found: list[tuple[int, ...]] = []
@@ -213,26 +218,41 @@ def propose_balances(
     if limit is None:
         return found
     factor = optimizer_factor(optimizer)
-    for mode in ("never", "always"):
+    # (layers' bytes, kept whole: with a split backward's W records, or as 1F1B's whole backward keeps them; or
+    # as their inputs ("always")).
+    kept = [
+        (layers, held)
+        for layers in (profile.layers, *(p.layers for p in profile.policies))
+        for held in ("split", "whole")
+    ]
+    kept.append((profile.layers, "inputs"))
+    for layers, held in kept:
         memo: dict[tuple[int, int, int], float] = {}
 
-        def need(a: int, b: int, s: int, mode: str = mode, memo: dict[tuple[int, int, int], float] = memo) -> float:
+        def need(
+            a: int,
+            b: int,
+            s: int,
+            held: str = held,
+            layers: Sequence[StageBytes] = layers,
+            memo: dict[tuple[int, int, int], float] = memo,
+        ) -> float:
             if (a, b, s) not in memo:
-                st = compose(profile.layers, a, b, profile.spans)
+                st = compose(layers, a, b, profile.spans)
                 state = st.parameters + st.trainable + factor * st.stepped
-                held = st.input if mode == "always" else st.input + st.activation + st.w_records + st.w_kept
-                memo[(a, b, s)] = (state + min(stages - s, chunks) * held + st.activation) * (1 + MARGIN)
+                each = st.input if held == "inputs" else st.input + st.activation
+                each += st.w_records + st.w_kept if held == "split" else 0
+                # The backward's working set: a recomputed stage rebuilds a whole micro-batch's activation.
+                working = st.activation if held == "inputs" else max(st.b_transient, st.bw_transient)
+                memo[(a, b, s)] = (state + min(stages - s, chunks) * each + working) * (1 + MARGIN)
             return memo[(a, b, s)]
 
-        try:
-            add(
-                plan(
-                    fwd, bwd, stages, microbatches=chunks, schedule="1f1b", memory_limit=limit, stage_memory=need,
-                    comm=profile.comm,
-                )
-            )  # fmt: skip
-        except BalanceError:
-            continue
+        for share in _TIGHTER:  # the estimate leaves out what the model adds (buffers, stashes): cuts below it too
+            try:
+                add(plan(fwd, bwd, stages, microbatches=chunks, schedule="1f1b", memory_limit=limit * share,
+                         stage_memory=need, comm=profile.comm))  # fmt: skip
+            except BalanceError:
+                break
     return found
 
 

@@ -139,3 +139,19 @@ def test_a_distributed_transport_s_receive_buffers_count_toward_the_limit() -> N
     assert planned(limit).chosen.schedule == "gpipe"  # which fits without them
     chosen = planned(limit, transport="tags").chosen
     assert chosen.schedule == "1f1b" and all(d.total * (1 + MARGIN) <= limit for d in chosen.devices)
+
+
+def test_a_per_layer_policy_gets_its_own_memory_cut_where_the_time_cut_does_not_fit() -> None:
+    # Eight layers on 2 stages under 1f1b. Recomputing half of each layer keeps 40 of its 100 bytes;
+    # on the time-planned cut (4, 4) the first stage holds two micro-batches of 4 layers: 320 bytes,
+    # over 300 with the margin, and nothing else fits there. Moving a layer off it, (3, 5) holds
+    # 240 and 210.
+    lean = Recompute(layers=lambda i, layer: True, name="half")
+    option = RecomputeOption(lean, (dataclasses.replace(LAYER, activation=40),) * 8, (0.25,) * 8)
+    given = PlanProfile(forward=(1.0,) * 8, backward=(2.0,) * 8, layers=(LAYER,) * 8, policies=(option,))
+    fixed = {"schedules": ("1f1b",), "virtual_stages": 1, "greedy": False}
+    with pytest.raises(ValueError, match="needs"):
+        plan_memory(given, 2, 4, 300, balances=[(4, 4)], **fixed)  # type: ignore[arg-type]
+    chosen = plan_memory(given, 2, 4, 300, **fixed).chosen  # type: ignore[arg-type]
+    assert chosen.checkpoint is lean and chosen.balance == (3, 5)
+    assert [d.total for d in chosen.devices] == [240, 210] and chosen.fits
