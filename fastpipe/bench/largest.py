@@ -16,6 +16,10 @@ backward, Adam) by each system, on K ranks of one device each:
   one row per schedule, its configuration that fits the largest model (the faster one at a tie).
   The first configuration of a schedule is searched over every size, each later one only from one
   size above the best so far (all it could add) and at the best size (for the tie);
+* fastpipe's planner (:mod:`fastpipe.distributed.plan`): ``DistributedPipe(model, "auto",
+  schedule="auto", checkpoint="auto", memory_limit=budget)``, with Adam on the device and under
+  the host optimizer. A size whose every plan it predicts over the budget is refused before any
+  step, and counts as not fitting;
 * torchgpipe, noted: its partitions are threads of one process, so on CPU no device's bytes
   can be told apart; it needs one GPU per partition.
 
@@ -51,6 +55,7 @@ from typing import Any
 import torch
 
 from fastpipe.bench.largest_ranks import rank_main, stage_layers
+from fastpipe.bench.largest_systems import Config, System, fastpipe_configs, peer_systems, predict, shipped_pl
 from fastpipe.bench.ranks import RanksTimedOut, join_within, start_ranks
 from fastpipe.bench.steps import free_port
 
@@ -96,104 +101,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "width_unit": 32,
     },
 }
-
-
-@dataclass(frozen=True)
-class System:
-    """One way to train the model.
-
-    Attributes:
-        kind: ``"plain"``, ``"pipelining"`` or ``"fastpipe"``.
-        schedule: PL's (``"1F1B"``, ``"ZBVZeroBubble"``) or fastpipe's; ``""`` for plain.
-        checkpoint: ``"never"``, ``"blocks"`` (each block under ``torch.utils.checkpoint``),
-            fastpipe's ``"except_last"`` and ``"always"``, or ``"always+blocks"`` (fastpipe's stage
-            recompute over blocks each under ``torch.utils.checkpoint``: a micro-batch in flight
-            keeps its stage input only, and its backward replays the stage keeping block inputs).
-        optimizer: ``"device"`` (Adam on the device) or ``"host"`` (Adam under
-            :class:`~fastpipe.memory.host_optimizer.HostOptimizer`: its state and update on the host,
-            whose bytes a CPU rank books apart).
-    """
-
-    kind: str
-    schedule: str = ""
-    checkpoint: str = "never"
-    optimizer: str = "device"
-
-    @property
-    def name(self) -> str:
-        """How the tables name it."""
-        recompute = {"never": "", "blocks": " + checkpoint per block"}.get(self.checkpoint, f", {self.recompute}")
-        recompute += " + host optimizer" if self.optimizer == "host" else ""
-        who = {
-            "plain": "plain PyTorch, 1 device",
-            "pipelining": f"pipelining {self.schedule}",
-            "fastpipe": f"fastpipe {self.schedule}",
-        }
-        return who.get(self.kind, f"{self.kind} {self.schedule}".strip()) + recompute
-
-    @property
-    def recompute(self) -> str:
-        """What it recomputes, in words."""
-        mode, _, blocks = self.checkpoint.partition("+")
-        if blocks:  # fastpipe's stage recompute over blocks each under torch.utils.checkpoint
-            return f"checkpoint={mode} over checkpoint per block"
-        return {"never": "no recomputation", "blocks": "checkpoint per block"}.get(mode, f"checkpoint={mode}")
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Stages per rank: 2 for the V schedules, else 1."""
-        return 2 if self.schedule in ("ZBVZeroBubble", "zb-v") else 1
-
-
-@dataclass(frozen=True)
-class Config:
-    """What :func:`predict` is asked about.
-
-    Attributes:
-        system: the system.
-        shape: ``vocab``, ``seq``, ``heads``, ``width``, ``batch``, ``chunks`` (micro-batches), ``layers`` (blocks).
-        ranks: devices (1 for plain PyTorch).
-        balance: layers per stage (embedding and head count as layers), stage 0 first.
-        budget: bytes per device.
-    """
-
-    system: System
-    shape: dict[str, int] = field(hash=False)
-    ranks: int
-    balance: list[int] = field(hash=False)
-    budget: int
-
-
-def predict(config: Config) -> list[int] | None:
-    """Each rank's predicted peak bytes of ``config``'s step, or None where no memory model is wired."""
-    return None
-
-
-def peer_systems() -> list[System]:
-    """Plain PyTorch and ``torch.distributed.pipelining``, each with and without checkpointing per block.
-
-    Then PL's best, 1F1B with checkpointing per block, with Adam under fastpipe's
-    :class:`~fastpipe.memory.host_optimizer.HostOptimizer`: what the host optimizer alone gives.
-    """
-    out = [System("plain", "", c) for c in ("never", "blocks")]
-    out += [System("pipelining", s, c) for s in ("1F1B", "ZBVZeroBubble") for c in ("never", "blocks")]
-    return out + [System("pipelining", "1F1B", "blocks", "host")]
-
-
-def fastpipe_configs() -> list[System]:
-    """fastpipe's configurations, the one expected to fit the most first (later ones start above its size).
-
-    Per schedule with Adam on the device, then 1f1b with Adam on the host.
-    """
-    modes = ("blocks", "always", "except_last", "never")
-    out = [System("fastpipe", s, c) for c in modes for s in ("1f1b", "zb-h1", "zb-v")]
-    return out + [System("fastpipe", "1f1b", c, "host") for c in ("always+blocks", "blocks")]
-
-
-def shipped_pl(row: dict[str, Any]) -> bool:
-    """Whether a row is ``torch.distributed.pipelining`` as it ships (Adam on the device): the ratios' base."""
-    config = row.get("config") or {"kind": row["system"].split(" ")[0]}  # a row without its config: by name
-    return config["kind"] == "pipelining" and config.get("optimizer", "device") == "device"
 
 
 def _run_job(job: dict[str, Any], world: int, timeout: float) -> dict[str, Any]:
@@ -299,12 +206,13 @@ class _Runner:
 
     def fastpipe(self, configs: list[System], dim: str, start: int, pl_n: int | None) -> dict[str, Any]:
         """Per schedule, the row of its best configuration; every configuration's outcome; the steps at PL's N."""
-        kinds = list(dict.fromkeys((c.schedule, c.optimizer) for c in configs))
-        groups = [[c for c in configs if (c.schedule, c.optimizer) == k] for k in kinds]
+        # The planner's rows stand apart: it chooses its own recompute.
+        kinds = list(dict.fromkeys((c.schedule, c.optimizer, c.checkpoint == "auto") for c in configs))
+        groups = [[c for c in configs if (c.schedule, c.optimizer, c.checkpoint == "auto") == k] for k in kinds]
         at = None
         if pl_n is not None:
             # The least recomputation first: the fastest step.
-            least_first = ("never", "except_last", "always", "blocks", "always+blocks")
+            least_first = ("auto", "never", "except_last", "always", "blocks", "always+blocks")
             at = {
                 "n": pl_n,
                 "groups": [[asdict(c) for m in least_first for c in g if c.checkpoint == m] for g in groups],
@@ -312,7 +220,7 @@ class _Runner:
         record = self.job(groups, dim, start=start, at=at, weight=2.0 * len(groups) + 1.0)
         stopped = self.stopped(record, "fastpipe", dim)
         rows, tried = [], []
-        for g, (schedule, optimizer) in enumerate(kinds):
+        for g, (schedule, optimizer, planned) in enumerate(kinds):
             runs = [run for run in record["runs"] if run["group"] == g]
             mine = [self.row(System(**run["system"]), dim, run, stopped) for run in runs]
             tried += [{"config": r["system"], "largest": r["largest"], "step_s": r["step_s"]} for r in mine]
@@ -324,7 +232,8 @@ class _Runner:
             # The chart draws the configuration searched from the start; the others measured only near its edge.
             curve = {"system": mine[0]["system"], "points": mine[0]["points"]}
             where = " + host optimizer" if optimizer == "host" else ""
-            rows.append(dict(best, system=f"fastpipe {schedule}{where} (best of {len(runs)}: {how})", curve=curve))
+            named = groups[g][0].name if planned else f"fastpipe {schedule}{where} (best of {len(runs)}: {how})"
+            rows.append(dict(best, system=named, curve=curve))
         timed = [{"config": System(**a["system"]).name, **a["point"]} for a in record.get("at", [])]
         return {"rows": rows, "tried": tried, "at_pl_size": timed}
 

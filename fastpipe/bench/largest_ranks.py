@@ -118,9 +118,34 @@ def _pipelining(system: dict[str, Any], shape: dict[str, Any], rank: int, world:
     return step, lambda: None, _unpredicted
 
 
-def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> Built:
+class Refused(Exception):
+    """A system refused a size before any step: it predicted that nothing fits the budget."""
+
+
+def _planned(system: dict[str, Any], shape: dict[str, Any], budget: int) -> Any:
+    """fastpipe's planner on the whole model (every rank builds it; each keeps its stages).
+
+    Raises:
+        Refused: the planner found nothing whose prediction fits the budget (on every rank alike).
+    """
+    from fastpipe.balance.planner import BalanceError
     from fastpipe.distributed_pipe import DistributedPipe
 
+    model = _sequential(range(layer_count(shape["layers"])), shape, False)
+    ids, _ = _batch(shape)
+    state = "host" if system.get("optimizer", "device") == "host" else "adam"
+    try:
+        return DistributedPipe(model, "auto", chunks=shape["chunks"], schedule=system["schedule"], checkpoint="auto",
+                               memory_limit=budget, sample=ids, optimizer_state=state, device="cpu")  # fmt: skip
+    except (ValueError, BalanceError) as exc:
+        raise Refused(str(exc).splitlines()[0]) from exc
+
+
+def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int, budget: int) -> Built:
+    from fastpipe.distributed_pipe import DistributedPipe
+
+    if system["checkpoint"] == "auto":
+        return _stepped(_planned(system, shape, budget), system, shape)
     v = system["schedule"] in ("zb-v", "dualpipev")
     balance = stage_layers(shape["layers"], 2 * world if v else world)
     # "blocks": each block under torch.utils.checkpoint; "always+blocks": fastpipe's stage recompute over them.
@@ -141,6 +166,11 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
         device="cpu",
         memory_limit=_NO_LIMIT,
     )
+    return _stepped(pipe, system, shape)
+
+
+def _stepped(pipe: Any, system: dict[str, Any], shape: dict[str, Any]) -> Built:
+    """A DistributedPipe's training step with Adam, its close, and this rank's predicted peak."""
     opt = _adam(pipe.parameters(), system)
     cast(Any, pipe.memory_guard).optimizer = opt  # the model counts the state where it is
     ids, target = _batch(shape)
@@ -159,13 +189,13 @@ def _fastpipe(system: dict[str, Any], shape: dict[str, Any], rank: int, world: i
     return step, pipe.close, predicted
 
 
-def _build(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int) -> Built:
+def _build(system: dict[str, Any], shape: dict[str, Any], rank: int, world: int, budget: int = _NO_LIMIT) -> Built:
     if system["kind"] == "plain":
         return _plain(system, shape)
     if system["kind"] == "pipelining":
         return _pipelining(system, shape, rank, world)
     if system["kind"] == "fastpipe":
-        return _fastpipe(system, shape, rank, world)
+        return _fastpipe(system, shape, rank, world, budget)
     raise ValueError(f"unknown system kind {system['kind']!r}: plain, pipelining or fastpipe")
 
 
@@ -197,7 +227,11 @@ def measure(job: dict[str, Any], system: dict[str, Any], n: int, rank: int, worl
     gc.collect()
     base = _cpu_counter.allocated()
     budget = job["budget"]
-    step, close, predicted = _build(system, shape_at(job, n), rank, world)
+    try:
+        step, close, predicted = _build(system, shape_at(job, n), rank, world, budget)
+    except Refused as exc:  # raised on every rank alike
+        gc.collect()
+        return Point(n, [], None, None, refused=str(exc))
     peaks = [0] * world
     seconds = None
     forecast: list[int] | None = None

@@ -40,7 +40,10 @@ def at_pl_size(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = [{"system": peer["system"], "n": n, "fits": "yes", "ms": _ms(peer["step_s"]), "ratio": "1.00"}]
     for t in timed:
         ratio = "n/a" if t["seconds"] is None else f"{t['seconds'] / peer['step_s']:.2f}"
-        fits = "yes" if t["fits"] else f"no ({max(t['peaks']) / _MIB:.1f} MiB)"
+        if t["fits"]:
+            fits = "yes"
+        else:
+            fits = "no (refused: predicted over)" if t.get("refused") else f"no ({max(t['peaks']) / _MIB:.1f} MiB)"
         out.append({"system": t["config"], "n": t["n"], "fits": fits, "ms": _ms(t["seconds"]), "ratio": ratio})
     return out
 
@@ -132,7 +135,7 @@ def plot_largest(result: dict[str, Any], path: str) -> None:
     unit = 1 if dim == "layers" else result["width_unit"]
     for ax, row in zip(axes.flat, rows):
         drawn = row.get("curve") or row  # fastpipe's rows: the configuration searched over every size
-        points = sorted(drawn["points"], key=lambda q: q["n"])
+        points = sorted((q for q in drawn["points"] if q["peaks"]), key=lambda q: q["n"])  # refused: no step ran
         xs = [q["n"] * unit for q in points]
         for r in range(max((len(q["peaks"]) for q in points), default=0)):
             ys = [q["peaks"][r] / _MIB for q in points]

@@ -21,21 +21,24 @@ class Point:
         peaks: each rank's peak bytes in the step.
         seconds: the step's time; None where it was not timed (the first step already ran over).
         predicted: each rank's peak as the memory model predicts it; None where no model runs.
+        refused: why the system refused the size before any step (fastpipe's planner: nothing fits
+            its prediction); ``peaks`` is then empty.
     """
 
     n: int
     peaks: list[int]
     seconds: float | None
     predicted: list[int] | None = None
+    refused: str = ""
 
     def fits(self, budget: int) -> bool:
-        """Whether every rank's peak is within ``budget`` bytes."""
-        return max(self.peaks) <= budget
+        """Whether every rank's peak is within ``budget`` bytes (a refused size does not fit)."""
+        return not self.refused and max(self.peaks) <= budget
 
     def to_dict(self, budget: int) -> dict[str, object]:
         """A JSON-serialisable copy, with whether it fits ``budget``."""
         out: dict[str, object] = {"n": self.n, "peaks": list(self.peaks), "seconds": self.seconds}
-        return dict(out, predicted=self.predicted, fits=self.fits(budget))
+        return dict(out, predicted=self.predicted, fits=self.fits(budget), refused=self.refused)
 
 
 @dataclass(frozen=True)

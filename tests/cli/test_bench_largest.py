@@ -213,3 +213,22 @@ def test_a_system_that_fails_is_reported_with_its_error_and_the_others_still_run
     assert plain["largest"] is not None and plain["stopped"] is None
     text = largest_markdown(result)
     assert "| bogus | none (stopped: see the notes) |" in text and "- bogus (layers): stopped" in text
+
+
+def test_the_planner_s_largest_size_fits_as_predicted_and_the_next_is_refused_or_over(tmp_path: Path) -> None:
+    planner = System("fastpipe", "1f1b", "auto", "host")
+    result = run_largest("tiny", systems=[], fastpipe=[planner])
+    budget = result["budget_bytes"]
+    (row,) = result["dims"]["layers"]
+    assert row["stopped"] is None and row["system"].startswith(planner.name), row
+    n = row["largest"]
+    by_size = {q["n"]: q for q in row["points"]}
+    assert by_size[n]["fits"] and max(by_size[n]["peaks"]) <= budget and not by_size[n]["refused"]
+    for predicted, measured in zip(row["predicted"], row["peaks"]):
+        assert abs(predicted - measured) <= 0.05 * measured, (row["predicted"], row["peaks"])
+    after = by_size[n + 1]
+    assert not after["fits"] and (after["refused"] or max(after["peaks"]) > budget), after
+    refused = [q for q in row["points"] if q["refused"]]
+    assert all(not q["peaks"] and "memory_limit" in q["refused"] for q in refused), refused
+    plot_largest(result, str(tmp_path / "planner.png"))  # refused sizes ran no step: not drawn
+    assert (tmp_path / "planner.png").stat().st_size > 0
