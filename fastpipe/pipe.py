@@ -181,6 +181,7 @@ class Pipe(nn.Module):
         self._recompute = PipeRecompute(self.checkpoint, self._stages, memory_limit, optimizer_state)
         self.memory_guard = self._recompute.guard
         self._offload = PipeOffload(offload, self._stages, self.memory_guard)
+        self._recompute.offload = self._offload  # chosen together under "auto"
         self._runtime = LocalRuntime(self._stages, tune_malloc=options.tune_malloc)
         weakref.finalize(self, self._runtime.close)
 
@@ -312,8 +313,7 @@ class Pipe(nn.Module):
             self.virtual_stages if virtual_stages is None else virtual_stages,
             AutoRun(self.auto_schedule, self.partitions, microbatches, side_mbs, self._stages[-1].wgrad_batch, memory),
         )
-        sched = self._offload.for_step(sched, microbatches[0], targets[0], loss_fn, self.checkpoint)
-        checkpoint = self._recompute.for_step(self.checkpoint, sched, microbatches[0], targets[0], loss_fn)
+        checkpoint, sched = self._recompute.for_step(self.checkpoint, sched, microbatches[0], targets[0], loss_fn)
         self.last_timeline = self._runtime.start_timeline(self.trace if trace is None else trace, sched.num_workers)
         scale = loss_scale(scaler, self.devices[-1])
         losses, grads = self._runtime.train(

@@ -187,7 +187,7 @@ class PipeOffload:
             checkpoint: what the step recomputes, as the memory guard takes it.
         """
         if self.auto and self.guard is not None:
-            if isinstance(checkpoint, str) and checkpoint == "auto":  # chosen after this, under the offload chosen here
+            if isinstance(checkpoint, str) and checkpoint == "auto":  # the pipe chooses both together; alone: none
                 checkpoint = "never"
             self._choose(self.guard, schedule, (checkpoint, self.stages[-1].wgrad_batch, sample, target, loss_fn))
         return self.prefetch(schedule)
@@ -195,7 +195,7 @@ class PipeOffload:
     def _choose(self, guard: MemoryGuard, schedule: Schedule, rest: tuple[Any, ...]) -> None:
         """Per device, the least fraction (in eighths) whose predicted peak fits the guard's limit."""
         checkpoint, _, sample, _, _ = rest
-        key = (schedule, checkpoint if isinstance(checkpoint, str) else id(checkpoint), sample_key(sample))
+        key = (schedule, checkpoint, sample_key(sample))  # a Recompute is hashed by value: its ids are reused
         chosen = self._chosen.get(key)
         if chosen is None:
             modules = [st.module for st in self.stages]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
@@ -32,6 +32,9 @@ from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
 from fastpipe.step.recompute_policy import Recompute, auto_candidates, checkpoint_setting
 from fastpipe.step.rules import Checkpoint, checkpoint_predicate
+
+if TYPE_CHECKING:
+    from fastpipe.memory.offload import PipeOffload
 
 __all__ = ["PipeRecompute"]
 
@@ -64,6 +67,8 @@ class PipeRecompute:
         self.guard = None if memory_limit is None else MemoryGuard(memory_limit, optimizer, options)
         #: What the last step ran: the pipe's setting, or ``"auto"``'s choice (None before its first step).
         self.chosen: str | Recompute | None = None
+        #: The pipe's offload: under ``offload="auto"`` each recompute tried gets the least offload that fits it.
+        self.offload: PipeOffload | None = None
         self._applied: str | Recompute = "never"
         self._auto: dict[tuple[Any, ...], str | Recompute] = {}  # "auto"'s choice per schedule and shape
         checked = checkpoint_setting(setting)
@@ -87,21 +92,33 @@ class PipeRecompute:
         sample: Any,
         target: Any,
         loss_fn: Callable[[Any, Any], Tensor],
-    ) -> Callable[[int], bool]:
-        """Check (or, for ``"auto"``, choose) a ``train_step``'s recompute against the limit; its predicate.
+    ) -> tuple[Callable[[int], bool], Schedule]:
+        """Check (or, for ``"auto"``, choose) a ``train_step``'s recompute against the limit.
+
+        Under ``offload="auto"`` too, each recompute tried, least first, runs with the least offload
+        that fits it (:meth:`~fastpipe.memory.offload.PipeOffload.for_step`), as ``DistributedPipe``
+        and ``fit`` choose.
 
         Args:
             setting: the pipe's ``checkpoint``.
-            schedule: the step's schedule.
+            schedule: the step's schedule, without prefetches.
             sample: one micro-batch of input.
             target: its target.
             loss_fn: the step's loss.
+
+        Returns:
+            Which micro-batches recompute their whole stage, and the schedule with the offload's prefetches.
 
         Raises:
             ValueError: the step's predicted peak exceeds the limit (for ``"auto"``: under every candidate).
         """
         checked = checkpoint_setting(setting)
         choice = "never" if checked == "auto" else checked
+        offload = self.offload
+
+        def prefetched(candidate: str | Recompute) -> Schedule:
+            return schedule if offload is None else offload.for_step(schedule, sample, target, loss_fn, candidate)
+
         if self.guard is not None:
             modules = [s.module for s in self.stages]
             layers = [layer for m in modules for layer in m.children()]
@@ -111,10 +128,10 @@ class PipeRecompute:
                 key = (schedule, self.stages[-1].wgrad_batch, _signature(sample))
                 found = self._auto.get(key)
                 if found is None:
-                    found = self._choose(self.guard, auto_candidates(modules), (layers, balance, schedule), rest)
+                    found = self._choose(self.guard, auto_candidates(modules), (layers, balance, prefetched), rest)
                     self._auto[key] = found
                 choice = found
-            self.guard.check(layers, balance, schedule, choice, *rest)
+            self.guard.check(layers, balance, prefetched(choice), choice, *rest)
             if checked == "auto" and choice != self.chosen:
                 peak = format_bytes(max(d.total for d in self.guard.last))
                 _log.info(
@@ -122,7 +139,7 @@ class PipeRecompute:
                 )
         self._run(choice)
         training = self.stages[0].module.training  # the pipe's mode: Pipe.train sets its stages'
-        return checkpoint_predicate(_whole_stage(choice), training, schedule.num_microbatches)
+        return checkpoint_predicate(_whole_stage(choice), training, schedule.num_microbatches), prefetched(choice)
 
     @staticmethod
     def _choose(
@@ -130,14 +147,14 @@ class PipeRecompute:
     ) -> str | Recompute:
         """The first candidate whose prediction fits, or the refusal of the one that needs the least."""
         tried: list[tuple[str | Recompute, list[DeviceMemory]]] = []
-        layers, balance, schedule = where
+        layers, balance, prefetched = where  # prefetched(candidate): the schedule under its offload
         # Each measurement collects garbage around what it meters; with the objects alive now set
         # aside (collected once, here), those collections walk only what the measurements made.
         gc.collect()
         gc.freeze()
         try:
             for candidate in candidates:
-                devices = guard.predict(layers, balance, schedule, candidate, *rest)
+                devices = guard.predict(layers, balance, prefetched(candidate), candidate, *rest)
                 if over_limit(devices, guard.limit) is None:
                     return candidate
                 tried.append((candidate, devices))
