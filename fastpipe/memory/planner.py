@@ -144,7 +144,7 @@ def plan_memory(
 
 
 def _options(profile: PlanProfile, chunks: int) -> list[tuple[str | Recompute, tuple[StageBytes, ...], list[float]]]:
-    """The recompute settings, least first, with each layer's bytes and its recompute seconds per micro-batch.
+    """The recompute settings, least time added first, with each layer's bytes and recompute seconds per micro-batch.
 
     ``"except_last"`` recomputes all micro-batches but the last: the simulator takes one cost per
     stage, so its backward carries the forward's ``(M - 1) / M`` share.
@@ -156,7 +156,8 @@ def _options(profile: PlanProfile, chunks: int) -> list[tuple[str | Recompute, t
     found += [(p.setting, p.layers, list(p.seconds)) for p in profile.policies]
     found.append(("except_last", profile.layers, [f * (chunks - 1) / chunks for f in forward]))
     found.append(("always", profile.layers, forward))
-    return found
+    # The first that fits ends a (balance, schedule), so they go by the time they add (a stable sort).
+    return sorted(found, key=lambda o: sum(o[2]))
 
 
 def _choose(considered: list[Combination], pruned: int, limit: int | None, settings: Sequence[str | Recompute]) -> Plan:

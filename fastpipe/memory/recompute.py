@@ -4,7 +4,7 @@
 schedule and micro-batch shape, the candidates of
 :func:`~fastpipe.step.recompute_policy.auto_candidates` from the least recompute to the most::
 
-    never ─▶ mlp ─▶ attention ─▶ every other layer ─▶ attention + mlp ─▶ except_last ─▶ always
+    never ─▶ mlp ─▶ attention ─▶ every other layer ─▶ attention + mlp ─▶ except_last ─▶ every layer ─▶ always
     (parts only where the layers have them)                     first whose prediction + 5% fits
 
 Each candidate's peak is predicted from the stages measured under it

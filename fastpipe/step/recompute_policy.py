@@ -36,6 +36,7 @@ __all__ = [
     "Recompute",
     "auto_candidates",
     "checkpoint_setting",
+    "every_layer",
     "every_other_layer",
     "layer_parts",
     "missing_parts",
@@ -157,11 +158,20 @@ def every_other_layer(index: int, layer: nn.Module) -> bool:
     return index % 2 == 1
 
 
+def every_layer(index: int, layer: nn.Module) -> bool:
+    """Every layer, each its own region: a micro-batch in flight keeps each layer's input, and its
+    backward rebuilds one layer at a time (``"always"`` keeps the stage's input and rebuilds the stage)."""
+    return True
+
+
 def auto_candidates(stages: Sequence[nn.Module]) -> list[str | Recompute]:
     """What ``checkpoint="auto"`` tries, from the least recompute to the most.
 
     ``"never"``; the parts the layers have (``"mlp"``, ``"attention"``); every other layer;
-    both parts; ``"except_last"``; ``"always"``.
+    both parts; ``"except_last"``; every layer; ``"always"``. Every layer and ``"always"`` both
+    recompute the whole forward once; neither holds less in every case (the one keeps each
+    layer's input per micro-batch in flight, the other a whole stage's activation while it
+    rebuilds it), so both are tried.
     """
     layers = [layer for stage in stages for layer in stage.children()]
     offered = {name for layer in layers for name in layer_parts(layer)}
@@ -171,7 +181,10 @@ def auto_candidates(stages: Sequence[nn.Module]) -> list[str | Recompute]:
         found.append(Recompute(layers=every_other_layer, name="every other layer"))
     if set(PARTS) <= offered:
         found.append(Recompute(parts=PARTS, name=" + ".join(PARTS)))
-    return [*found, "except_last", "always"]
+    found.append("except_last")
+    if len(layers) > 1 and all(_checked_quietly(layer) for layer in layers):
+        found.append(Recompute(layers=every_layer, name="every layer"))
+    return [*found, "always"]
 
 
 def layer_parts(layer: nn.Module) -> Mapping[str, nn.Module]:

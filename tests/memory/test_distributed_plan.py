@@ -122,7 +122,8 @@ def test_one_rank_plans_and_every_rank_builds_it_within_the_limit() -> None:
         tight = r["tight"]
         assert tight["settings"] != ranks[0]["free"][:3], tight["table"]
         assert tight["counted"] <= tight["limit"], (tight["counted"], tight["limit"], tight["table"])
-        assert "every other layer" in tight["tried"], tight["table"]  # per-layer recompute is on offer
+        # Per-layer recompute is on offer, unless a balance and schedule fit without any (the faster).
+        assert "every other layer" in tight["tried"] or tight["settings"][2] == "never", tight["table"]
         assert "memory_limit=4.00 KiB" in r["tiny"] and "needs at least" in r["tiny"], r["tiny"]
         planning = ranks[0]["tiny"].split(": ", 1)[1]
         assert planning in r["tiny"]  # raised on every rank, with the planning rank's message
