@@ -49,7 +49,10 @@ rank's shards (1/D, padded); the gradient sums stay full size, as the step keeps
 Offload (:mod:`fastpipe.runtime.offload`) takes ``offloaded`` bytes of the activation of each
 micro-batch that the schedule prefetches (a ``P``) off the device, from the end of its ``F`` to the
 start of its ``P``. They are host bytes until the ``P``'s end (:attr:`DeviceMemory.offloaded`, at
-their own peak), not part of the device's total.
+their own peak), not part of the device's total. The runtime drops a device copy once its copy out
+has landed, checked before each forward of the stage, and a ``P`` waits for that copy before it
+allocates: a copy out slower than the forward that follows holds its bytes that much longer, never
+twice.
 
 The time-varying parts are summed per worker over the schedule's simulated timing
 (:func:`fastpipe.schedule.simulate.sweep_peak`), and a device's activations, W records, skips

@@ -51,7 +51,12 @@ def _defer(event: Any, *keep: object) -> None:
 
 
 def pending_copies() -> int:
-    """Copies still in flight whose buffers are kept (see :func:`_defer`)."""
+    """Drop the buffers of the copies that have landed; returns how many are still in flight.
+
+    Called before a stage allocates (a forward, a copy back), so that a device copy whose host
+    copy has landed is gone by then, as the memory model assumes, and not kept until the next
+    copy starts.
+    """
     with _lock:
         _pending[:] = [entry for entry in _pending if not entry[0].query()]
         return len(_pending)
@@ -135,6 +140,14 @@ class CopyPath:
             after: the event of the copy to the host (it must land before this one reads it), or None.
         """
         shape, stride, dtype = like
+        if after is not None:
+            # The device copy goes when the copy out has landed: wait for that before allocating
+            # the one that comes back, or a late copy (a busy host, a slow link) would hold the
+            # tensor twice. The copy out started at the forward's end, long before, so this
+            # seldom waits.
+            if not after.query():
+                after.synchronize()
+            pending_copies()
         with _dev.device_context(self.device):
             dst = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
         if not self.c_copies:
@@ -162,6 +175,7 @@ class CopyPath:
             return
         if not self.cuda:
             event.synchronize()
+            pending_copies()  # the copy has landed: its entry no longer keeps ``t`` past its backward
             return
         event.wait(_dev.current_stream(self.device))
         consumer = torch.cuda.current_stream(self.device)

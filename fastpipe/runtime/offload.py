@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from fastpipe.runtime.host_copies import CopyPath, copy_path
+from fastpipe.runtime.host_copies import CopyPath, copy_path, pending_copies
 from fastpipe.schedule.ir import Action, Schedule
 
 if TYPE_CHECKING:
@@ -255,6 +255,8 @@ class StepOffload:
         """
         s, m, policy = action.stage, action.microbatch, stage.offload
         path = None if policy is None else copy_path(stage.device, force=policy.force)
+        if path is not None:
+            pending_copies()  # the device copies whose host copies have landed go before this forward allocates
         if not keep_graph or policy is None or path is None or (s, m) not in schedule.prefetched:
             yield
             return

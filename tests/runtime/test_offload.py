@@ -219,6 +219,36 @@ def test_the_host_backend_round_trip_keeps_bytes_shape_and_strides():
     assert pending_copies() == 0
 
 
+def test_a_device_copy_is_never_held_twice_nor_kept_past_its_read():
+    """A late copy out is waited for before the copy back allocates, and neither stays in the registry."""
+    import gc
+    import weakref
+
+    from _memory_utils import install_counter_or_skip
+
+    from fastpipe.memory import _cpu_counter
+    from fastpipe.runtime.offload import _Saved
+
+    install_counter_or_skip()
+    path = CopyPath(CPU, force=True)
+    t = torch.randn(256, 1024)  # 1 MiB; the host copies are _C's pool, which the counter does not see
+    expected, nbytes = t.clone(), t.numel() * t.element_size()
+    gc.collect()
+    base = _cpu_counter.allocated()
+    record = _Saved(t, path)
+    del t
+    device_table.copy_stream(CPU, "out").delay(0.05)  # the copy out lands after the fetch starts
+    record.offload()
+    record.fetch()
+    assert _cpu_counter.allocated() - base == 0  # the device copy went before the one brought back came
+    back = record.get()
+    assert torch.equal(back, expected)
+    brought = weakref.ref(back)
+    del back, record
+    assert brought() is None  # the registry dropped it once the read had waited for it
+    assert _cpu_counter.allocated() - base == -nbytes and pending_copies() == 0
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
