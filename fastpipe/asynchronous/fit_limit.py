@@ -49,6 +49,7 @@ from fastpipe.model.skip_memory import measure_skips, stage_skip_edges
 from fastpipe.model.skips import has_skips
 from fastpipe.schedule.multistep import build_multistep
 from fastpipe.step.microbatch import tensors_of, to_device
+from fastpipe.step.recompute_policy import stage_mode
 
 if TYPE_CHECKING:
     from fastpipe.asynchronous.fit_run import FitRun
@@ -139,7 +140,7 @@ def _predict(
     found, transient = measured
     stages = offloaded_stages(found.stages, found.told, fractions)
     moving = [s for s, f in enumerate(fractions) if f > 0]
-    whole = mode if mode in ("always", "except_last") else "never"  # what recomputes whole stages in fit
+    whole = stage_mode(mode)  # what recomputes whole stages in fit
     return fit_devices(
         stages,
         microbatches=window.microbatches,

@@ -34,12 +34,12 @@ from fastpipe.model.skip_memory import SkipSpan
 from fastpipe.schedule import Schedule, ScheduleError
 from fastpipe.schedule.simulate import simulate_times
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
+from fastpipe.step.recompute_policy import stage_mode
 
 __all__ = ["StageNeed", "compose", "layer_bytes"]
 
 # Bytes that one action holds only while it runs: a stage holds its largest layer's, not their sum.
 _LARGEST = frozenset({"f_transient", "b_transient", "bw_transient", "w_stacked"})
-_CHECKPOINTS = ("always", "except_last", "never")
 
 
 def layer_bytes(module: nn.Sequential, microbatch: Value, side_inputs: Mapping[str, Any]) -> list[StageBytes]:
@@ -96,7 +96,7 @@ class StageNeed:
     ) -> None:
         self.layers = list(layers)
         self.schedule = schedule
-        self.checkpoint = checkpoint if isinstance(checkpoint, str) and checkpoint in _CHECKPOINTS else "never"
+        self.checkpoint = stage_mode(checkpoint)
         self.optimizer = optimizer
         self.wgrad_batch = wgrad_batch
         self.spans = list(spans)

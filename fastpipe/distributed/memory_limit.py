@@ -57,7 +57,7 @@ from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.model.side_inputs import run_layers
 from fastpipe.model.skips import SkipStore, has_skips
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
-from fastpipe.step.recompute_policy import Recompute
+from fastpipe.step.recompute_policy import Recompute, stage_mode
 
 if TYPE_CHECKING:
     from fastpipe.distributed.rank_step import RankStep
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RankMemoryGuard", "check_rank_memory"]
 
-_CHECKPOINTS = ("always", "except_last", "never")
 _LEAST_FIRST = ("never", "except_last", "always")  # checkpoint="auto" tries them in this order
 
 
@@ -128,7 +127,7 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
     shared = int(runtime.broadcast(shape, runtime.first_rank, "the micro-batch shape for memory_limit").item())
     # Another recompute policy than the three whole-stage ones counts as none: the most it can hold.
     auto = pipe.checkpoint == "auto"
-    mode: str = pipe.checkpoint if isinstance(pipe.checkpoint, str) and pipe.checkpoint in _CHECKPOINTS else "never"
+    mode: str = stage_mode(pipe.checkpoint)
     modes = _LEAST_FIRST if auto else (mode,)
     key = (step.schedule, "auto" if auto else mode, wgrad_batch, tuple(step.sizes), shared)
     measured = key not in guard.predicted

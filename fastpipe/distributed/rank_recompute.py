@@ -79,12 +79,13 @@ def check_regions(setting: object, reports: Sequence[Mapping[str, Any]]) -> None
 
 
 def whole_stage(setting: object) -> Any:
-    """The whole-stage mode a step runs under ``setting``: a per-layer policy recomputes no whole stage."""
-    return "never" if isinstance(setting, Recompute) else setting
+    """The whole-stage mode a step runs under ``setting`` (a per-layer policy's own ``stage``)."""
+    return setting.stage if isinstance(setting, Recompute) else setting
 
 
 def described(setting: object) -> str:
     """What ranks compare of ``setting`` (a predicate is a different object on every rank)."""
     if isinstance(setting, Recompute):
-        return f"per-layer: parts {list(setting.parts)}{', a layer predicate' if setting.layers else ''}"
+        predicate = ", a layer predicate" if setting.layers else ""
+        return f"per-layer: parts {list(setting.parts)}{predicate}, stage {setting.stage}"
     return str(setting)

@@ -24,7 +24,7 @@ from fastpipe.memory.sizes import format_bytes, parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.schedule.ir import Schedule
-from fastpipe.step.recompute_policy import Recompute
+from fastpipe.step.recompute_policy import Recompute, stage_mode
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; annotations only, so 3.10 runs this module too
@@ -102,7 +102,7 @@ class MemoryGuard:
         if devices is None:
             policy = checkpoint if isinstance(checkpoint, Recompute) else None
             module = nn.Sequential(*layers)
-            measured = (checkpoint, key[3], schedule.split_backward)
+            measured = (None if policy is None else policy.regions_key, key[3], schedule.split_backward)
             stages = self._measured.get(measured) or measure_stages(
                 module,
                 balance,
@@ -121,7 +121,7 @@ class MemoryGuard:
             devices = predict_memory(
                 schedule,
                 stages,
-                checkpoint="never" if policy is not None else str(checkpoint),
+                checkpoint=stage_mode(checkpoint),
                 optimizer=self.optimizer,
                 wgrad_batch=wgrad_batch,
                 input_grad=input_grad,

@@ -8,7 +8,7 @@ measured profile (:class:`PlanProfile`: per-layer seconds and bytes)::
     balances (for time; for memory)  x  schedules (the search's)  x  recompute  x  offload
          │ per (balance, schedule): the simulated step time, a lower bound, fastest first
          ▼
-    recompute: never ─▶ per-layer policies ─▶ except_last ─▶ always    (each adds backward time)
+    recompute: never ─▶ per-layer policies ─▶ except_last ─▶ always ─▶ regions inside always
          │ the first whose predicted peak fits ends the pair: more only costs time
          ▼ (a device still over, with a copy bandwidth) offload: per device the least eighth that fits
 
@@ -147,13 +147,17 @@ def _options(profile: PlanProfile, chunks: int) -> list[tuple[str | Recompute, t
     """The recompute settings, least time added first, with each layer's bytes and recompute seconds per micro-batch.
 
     ``"except_last"`` recomputes all micro-batches but the last: the simulator takes one cost per
-    stage, so its backward carries the forward's ``(M - 1) / M`` share.
+    stage, so its backward carries the forward's ``(M - 1) / M`` share. A policy's layers are
+    measured with its regions recomputed (the bytes a micro-batch keeps, and what a backward
+    rebuilds); one inside stage recompute keeps only the stage's input, as ``"always"``.
     """
     forward = list(profile.forward)
     found: list[tuple[str | Recompute, tuple[StageBytes, ...], list[float]]] = [
         ("never", profile.layers, [0.0] * len(forward))
     ]
-    found += [(p.setting, p.layers, list(p.seconds)) for p in profile.policies]
+    for p in profile.policies:  # one inside stage recompute runs the whole forward again first
+        again = forward if p.setting.stage == "always" else [0.0] * len(forward)
+        found.append((p.setting, p.layers, [a + b for a, b in zip(again, p.seconds)]))
     found.append(("except_last", profile.layers, [f * (chunks - 1) / chunks for f in forward]))
     found.append(("always", profile.layers, forward))
     # The first that fits ends a (balance, schedule), so they go by the time they add (a stable sort).

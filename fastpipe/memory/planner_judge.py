@@ -20,7 +20,7 @@ from fastpipe.schedule.ir import Action, Schedule
 from fastpipe.schedule.prefetch import with_prefetch, worth_prefetching
 from fastpipe.schedule.search import Candidate, StageCosts
 from fastpipe.schedule.simulate import simulate_times
-from fastpipe.step.recompute_policy import Recompute
+from fastpipe.step.recompute_policy import Recompute, stage_mode
 
 __all__ = ["Judge", "bounds", "makespan", "propose_balances", "refuse_floors", "stage_bytes", "stage_costs"]
 
@@ -104,7 +104,7 @@ class Judge:
             dataclasses.replace(st, offloaded=math.floor(f * _offloadable(stages, s))) if f else st
             for s, (st, f) in enumerate(zip(stages, fractions))
         ]
-        mode = setting if isinstance(setting, str) else "never"
+        mode = stage_mode(setting)
         built = self._prefetched(schedule, fractions)
         if id(built) not in self._times:  # unit costs, and a U that takes time, as the step's guard predicts
             self._times[id(built)] = (built, simulate_times(built, update=1.0))

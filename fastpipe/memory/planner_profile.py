@@ -101,13 +101,17 @@ def _measure(
             spans = tuple(measure_skips(module, microbatch, **side))
     priced: list[RecomputeOption] = []
     offered = auto_candidates([module]) if policies is None else policies
+    done: dict[tuple[Any, ...], RecomputeOption] = {}  # by regions: inside stage recompute, the same measurements
     for candidate in offered:
         if not isinstance(candidate, Recompute):
             continue
-        with state_kept(module, None):
-            measured = measure_stages(module, [1] * len(module), microbatch, side_inputs=side, recompute=candidate)
-        seconds = region_seconds(module, microbatch, candidate, side, repeats=repeats, timer=timer)
-        priced.append(RecomputeOption(candidate, tuple(measured), tuple(seconds)))
+        same = done.get(candidate.regions_key)
+        if same is None:
+            with state_kept(module, None):
+                measured = measure_stages(module, [1] * len(module), microbatch, side_inputs=side, recompute=candidate)
+            seconds = region_seconds(module, microbatch, candidate, side, repeats=repeats, timer=timer)
+            same = done[candidate.regions_key] = RecomputeOption(candidate, tuple(measured), tuple(seconds))
+        priced.append(dataclasses.replace(same, setting=candidate))
     if not offload:
         bandwidth = None
     elif bandwidth is None and where is not None and where.type != "cpu":

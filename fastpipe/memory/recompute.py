@@ -30,7 +30,7 @@ from fastpipe.memory.sizes import format_bytes
 from fastpipe.runtime.selective import set_regions
 from fastpipe.runtime.stage import Stage
 from fastpipe.schedule.ir import Schedule
-from fastpipe.step.recompute_policy import Recompute, auto_candidates, checkpoint_setting
+from fastpipe.step.recompute_policy import Recompute, auto_candidates, checkpoint_setting, stage_mode
 from fastpipe.step.rules import Checkpoint, checkpoint_predicate
 
 if TYPE_CHECKING:
@@ -177,8 +177,8 @@ class PipeRecompute:
 
 
 def _whole_stage(choice: str | Recompute | None) -> Checkpoint:
-    """The whole-stage mode of ``choice``: a per-layer policy recomputes no whole stage."""
-    return choice if choice in ("always", "except_last") else "never"  # type: ignore[return-value]
+    """The whole-stage mode of ``choice`` (a per-layer policy's own ``stage``)."""
+    return stage_mode(choice)
 
 
 def _signature(value: Any) -> tuple[Any, ...]:

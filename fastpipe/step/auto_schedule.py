@@ -50,12 +50,12 @@ from fastpipe.model.skips import has_skips
 from fastpipe.schedule import Schedule
 from fastpipe.schedule.search import Choice, StageCosts
 from fastpipe.step.microbatch import Value, tensors_of
+from fastpipe.step.recompute_policy import stage_mode
 
 __all__ = ["AUTO", "AutoRun", "AutoSchedule", "StepMemory", "is_auto"]
 
 # The name that asks for the search instead of a named schedule.
 AUTO = "auto"
-_CHECKPOINTS = ("always", "except_last", "never")
 
 
 def is_auto(schedule: object) -> bool:
@@ -250,7 +250,7 @@ class AutoSchedule:
                 self.stage_bytes,
                 count,
                 limit,
-                checkpoint=mode if isinstance(mode, str) and mode in _CHECKPOINTS else "never",
+                checkpoint=stage_mode(mode),
                 optimizer=self.optimizer,
                 wgrad_batch=wgrad_batch,
                 input_grad=any(t.requires_grad for t in tensors_of(microbatches[0])),

@@ -40,6 +40,7 @@ __all__ = [
     "every_other_layer",
     "layer_parts",
     "missing_parts",
+    "stage_mode",
 ]
 
 #: The parts of a decoder block that ``checkpoint=`` can name.
@@ -70,6 +71,10 @@ class Recompute:
             stages start where the stages of the ranks before end).
         whole: whether :meth:`regions` sees the whole model, so that a named part no layer has is
             refused there; a rank sees its own stages only, and the ranks check together.
+        stage: ``"never"``: each stage keeps its graph but for the regions; ``"always"``: each
+            stage also keeps only its input per micro-batch and replays its forward in the
+            backward, where the regions recompute again, one at a time. The forward then runs
+            three times, and a micro-batch in flight holds the least it can.
     """
 
     layers: LayerPredicate | None = None
@@ -77,12 +82,15 @@ class Recompute:
     name: str = ""
     first: int = 0
     whole: bool = True
+    stage: Literal["never", "always"] = "never"
 
     def __post_init__(self) -> None:
         if self.layers is None and not self.parts:
             raise ValueError(f"fastpipe: a Recompute needs layers= (a predicate) or parts= (from {PARTS})")
         if self.layers is not None and not callable(self.layers):
             raise ValueError(f"fastpipe: Recompute(layers=) takes fn(index, layer) -> bool, got {self.layers!r}")
+        if self.stage not in ("never", "always"):
+            raise ValueError(f"fastpipe: Recompute(stage=) takes 'never' or 'always', got {self.stage!r}")
         unknown = [p for p in self.parts if p not in PARTS]
         if unknown or len(set(self.parts)) != len(self.parts):
             raise ValueError(f"fastpipe: Recompute(parts=) takes distinct names from {PARTS}, got {self.parts!r}")
@@ -91,7 +99,12 @@ class Recompute:
         if self.name:
             return self.name
         what = [*self.parts, *(["layers " + getattr(self.layers, "__name__", "chosen")] if self.layers else [])]
-        return " + ".join(what)
+        return " + ".join(what) + (" inside stage recompute" if self.stage == "always" else "")
+
+    @property
+    def regions_key(self) -> tuple[Any, ...]:
+        """What the regions depend on: two policies with one key recompute the same modules."""
+        return (self.layers, self.parts, self.first, self.whole)
 
     def regions(self, stages: Sequence[nn.Module]) -> list[list[nn.Module]]:
         """The modules each stage recomputes, for the stages of a pipe in order.
@@ -153,6 +166,14 @@ def checkpoint_setting(value: object) -> str | Recompute:
     raise ValueError(f"fastpipe: checkpoint must be one of the accepted forms, {_FORMS}; got {value!r}")
 
 
+def stage_mode(setting: object) -> Literal["always", "except_last", "never"]:
+    """The whole-stage mode that ``setting`` runs: a :class:`Recompute`'s ``stage``, a whole-stage
+    name itself, else ``"never"`` (``"auto"`` before its choice: the most it can hold)."""
+    if isinstance(setting, Recompute):
+        return setting.stage
+    return setting if setting in _WHOLE_STAGE else "never"  # type: ignore[return-value]
+
+
 def every_other_layer(index: int, layer: nn.Module) -> bool:
     """The odd layers of the Sequential: a transformer's embedding (layer 0) keeps its activations."""
     return index % 2 == 1
@@ -168,10 +189,12 @@ def auto_candidates(stages: Sequence[nn.Module]) -> list[str | Recompute]:
     """What ``checkpoint="auto"`` tries, from the least recompute to the most.
 
     ``"never"``; the parts the layers have (``"mlp"``, ``"attention"``); every other layer;
-    both parts; ``"except_last"``; every layer; ``"always"``. Every layer and ``"always"`` both
-    recompute the whole forward once; neither holds less in every case (the one keeps each
-    layer's input per micro-batch in flight, the other a whole stage's activation while it
-    rebuilds it), so both are tried.
+    both parts; ``"except_last"``; every layer; ``"always"``; every layer inside ``"always"``.
+    Every layer and ``"always"`` both recompute the whole forward once; neither holds less in
+    every case (the one keeps each layer's input per micro-batch in flight, the other a whole
+    stage's activation while it rebuilds it), so both are tried. The last recomputes it twice
+    and holds the least of all: a stage's input per micro-batch in flight, and while one
+    rebuilds, its layers' inputs and one layer's activation.
     """
     layers = [layer for stage in stages for layer in stage.children()]
     offered = {name for layer in layers for name in layer_parts(layer)}
@@ -183,7 +206,8 @@ def auto_candidates(stages: Sequence[nn.Module]) -> list[str | Recompute]:
         found.append(Recompute(parts=PARTS, name=" + ".join(PARTS)))
     found.append("except_last")
     if len(layers) > 1 and all(_checked_quietly(layer) for layer in layers):
-        found.append(Recompute(layers=every_layer, name="every layer"))
+        every = Recompute(layers=every_layer, name="every layer")
+        return [*found, every, "always", dataclasses.replace(every, stage="always", name="always, then every layer")]
     return [*found, "always"]
 
 

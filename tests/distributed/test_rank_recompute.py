@@ -60,9 +60,12 @@ def recompute_on_ranks(rank: int, world: int) -> dict[str, Any]:
     def grads(pipe: DistributedPipe) -> dict[str, torch.Tensor]:
         return {n: p.grad.clone() for n, p in pipe.named_parameters()}
 
-    for name, balance in (("odd", [2, 2]), ("mlp", [1, 3])):
+    from fastpipe.step.recompute_policy import Recompute, every_layer
+
+    settings: dict[str, Any] = {"odd": odd, "mlp": "mlp", "nested": Recompute(layers=every_layer, stage="always")}
+    for name, balance in (("odd", [2, 2]), ("mlp", [1, 3]), ("nested", [2, 2])):
         plain = trained("never", balance, "1GiB")
-        policy = trained(odd if name == "odd" else name, balance, "1GiB")
+        policy = trained(settings[name], balance, "1GiB")
         (stage,) = policy._stages.values()
         layers = list(stage.module.children())
         out[name] = {
@@ -115,6 +118,15 @@ def test_a_named_part_is_recomputed_where_the_layers_have_it(ranks: list[dict[st
     for r in ranks:  # the guard measured the regions: the device holding the blocks keeps less
         plain, policy = r["mlp"]["activations"][1]
         assert policy < plain
+
+
+def test_layers_recomputed_inside_stage_recompute_keep_the_least_and_the_gradients(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        assert r["nested"]["bitwise"] and r["nested"]["regions"] == [0, 1]
+        for (plain, nested), (_, odd) in zip(r["nested"]["activations"], r["odd"]["activations"]):
+            assert nested < min(odd, plain)
 
 
 def test_a_policy_wrong_on_one_rank_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:

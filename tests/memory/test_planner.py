@@ -155,3 +155,18 @@ def test_a_per_layer_policy_gets_its_own_memory_cut_where_the_time_cut_does_not_
     chosen = plan_memory(given, 2, 4, 300, **fixed).chosen  # type: ignore[arg-type]
     assert chosen.checkpoint is lean and chosen.balance == (3, 5)
     assert [d.total for d in chosen.devices] == [240, 210] and chosen.fits
+
+
+def test_regions_inside_stage_recompute_are_chosen_only_where_always_does_not_fit() -> None:
+    # Each layer its own region keeps 10 of its 100 bytes; inside stage recompute a micro-batch in
+    # flight keeps its stage's input alone, and the replay rebuilds one layer at a time.
+    nested = Recompute(layers=lambda i, layer: True, name="nested", stage="always")
+    option = RecomputeOption(nested, (dataclasses.replace(LAYER, activation=10),) * 4, (1.0,) * 4)
+    given = profile(policies=(option,))
+    roomy = planned(230, given)
+    assert roomy.chosen.checkpoint == "always"  # fits, and the nested form runs the forward once more
+    tight = planned(150, given)
+    assert tight.chosen.checkpoint is nested and tight.chosen.fits and tight.chosen.peak * (1 + MARGIN) <= 150
+    assert tight.chosen.time > roomy.chosen.time
+    with pytest.raises(ValueError, match="over memory_limit"):
+        planned(150, profile())  # without it nothing fits
