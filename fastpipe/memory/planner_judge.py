@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 
 from fastpipe.balance.device_need import compose
@@ -26,6 +27,10 @@ __all__ = ["Judge", "bounds", "makespan", "propose_balances", "refuse_floors", "
 
 _OFFLOAD_STEPS = 8  # offload fractions in eighths, as offload="auto" tries them
 _TIGHTER = (1.0, 0.95, 0.9)  # the shares of the limit the memory-planned cuts are planned under
+# The simulations each memory-planned cut may take. It is only a proposal that the model then
+# judges, and it is planned for every recompute setting and share: with the time-planned cut's
+# 200,000 each, a 100-block model spent over 10 minutes proposing cuts.
+_PROPOSAL_EVALUATIONS = 20_000
 
 
 class Judge:
@@ -220,13 +225,22 @@ def propose_balances(
     factor = optimizer_factor(optimizer)
     # (layers' bytes, kept whole: with a split backward's W records, or as 1F1B's whole backward keeps them; or
     # as their inputs ("always")).
-    kept = [
-        (layers, held)
-        for layers in (profile.layers, *(p.layers for p in profile.policies))
-        for held in ("split", "whole")
-    ]
-    kept.append((profile.layers, "inputs"))
-    for layers, held in kept:
+    # A policy inside stage recompute keeps its stages' inputs ("nested"): its rebuild holds the
+    # regions' inputs and one region's working set. Policies over the same regions share layers.
+    kept: dict[tuple[int, str], tuple[Sequence[StageBytes], str]] = {}
+    for measured, policy in ((profile.layers, None), *((p.layers, p.setting) for p in profile.policies)):
+        for held in ("nested",) if policy is not None and policy.stage == "always" else ("split", "whole"):
+            kept[(id(measured), held)] = (measured, held)
+    kept[(id(profile.layers), "inputs")] = (profile.layers, "inputs")
+    composed: dict[tuple[int, int, int], StageBytes] = {}  # by layers and cut, for every stage index
+
+    def stage_of(layers: Sequence[StageBytes], a: int, b: int) -> StageBytes:
+        key = (id(layers), a, b)
+        if key not in composed:
+            composed[key] = compose(layers, a, b, profile.spans)
+        return composed[key]
+
+    for layers, held in kept.values():
         memo: dict[tuple[int, int, int], float] = {}
 
         def need(
@@ -238,19 +252,24 @@ def propose_balances(
             memo: dict[tuple[int, int, int], float] = memo,
         ) -> float:
             if (a, b, s) not in memo:
-                st = compose(layers, a, b, profile.spans)
+                st = stage_of(layers, a, b)
                 state = st.parameters + st.trainable + factor * st.stepped
-                each = st.input if held == "inputs" else st.input + st.activation
+                each = st.input if held in ("inputs", "nested") else st.input + st.activation
                 each += st.w_records + st.w_kept if held == "split" else 0
-                # The backward's working set: a recomputed stage rebuilds a whole micro-batch's activation.
-                working = st.activation if held == "inputs" else max(st.b_transient, st.bw_transient)
+                # The backward's working set: a recomputed stage rebuilds a whole micro-batch's activation
+                # ("inputs"), or its regions' inputs and then one region ("nested").
+                working = max(st.b_transient, st.bw_transient)
+                if held != "whole" and held != "split":
+                    working = st.activation + (working if held == "nested" else 0)
                 memo[(a, b, s)] = (state + min(stages - s, chunks) * each + working) * (1 + MARGIN)
             return memo[(a, b, s)]
 
         for share in _TIGHTER:  # the estimate leaves out what the model adds (buffers, stashes): cuts below it too
             try:
-                add(plan(fwd, bwd, stages, microbatches=chunks, schedule="1f1b", memory_limit=limit * share,
-                         stage_memory=need, comm=profile.comm))  # fmt: skip
+                with warnings.catch_warnings():  # a search cut short still proposes the best cut it found
+                    warnings.filterwarnings("ignore", message="balance.plan stopped after")
+                    add(plan(fwd, bwd, stages, microbatches=chunks, schedule="1f1b", memory_limit=limit * share,
+                             stage_memory=need, comm=profile.comm, max_evaluations=_PROPOSAL_EVALUATIONS))  # fmt: skip
             except BalanceError:
                 break
     return found
