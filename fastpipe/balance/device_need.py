@@ -39,7 +39,10 @@ from fastpipe.step.recompute_policy import stage_mode
 __all__ = ["StageNeed", "compose", "layer_bytes"]
 
 # Bytes that one action holds only while it runs: a stage holds its largest layer's, not their sum.
-_LARGEST = frozenset({"f_transient", "b_transient", "bw_transient", "w_stacked"})
+# A first backward's bytes above its end (bw_first) too: while layer i's backward runs, the sums of
+# the layers before it, which its end holds, are not made yet, so the stage is at most layer i's
+# above its end.
+_LARGEST = frozenset({"f_transient", "b_transient", "bw_transient", "w_stacked", "bw_first"})
 
 
 def layer_bytes(module: nn.Sequential, microbatch: Value, side_inputs: Mapping[str, Any]) -> list[StageBytes]:

@@ -71,3 +71,16 @@ def test_stage_bytes_refuses_gemms_that_are_not_pairs_of_bytes(gemms: object) ->
         _stage(w_gemms=gemms)
     with pytest.raises(ValueError, match="StageBytes.activation must be a whole number of bytes"):
         _stage(activation=((1, 2),))
+
+
+def test_a_stage_composed_of_layers_holds_at_most_its_largest_layers_first_backward_tail() -> None:
+    # While layer i's first backward runs, the sums of the layers before it are not made yet: the
+    # stage is at most layer i's bytes above its own end, never the sum over its layers.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(6)])
+    x = torch.randn(32, 64, requires_grad=True)
+    (whole,) = measure_stages(model, [6], x)
+    layers = measure_stages(model, [1] * 6, x)
+    composed = compose(layers, 0, 6)
+    assert composed.bw_first == max(st.bw_first for st in layers) >= whole.bw_first
+    assert composed.bw_first < sum(st.bw_first for st in layers)
