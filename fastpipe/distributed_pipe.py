@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from fastpipe.asynchronous.distributed import DistributedFitRun
 from fastpipe.distributed.backend import rank_device
 from fastpipe.distributed.fsdp import check_dp_shard, shard_pipe, state_bytes
-from fastpipe.distributed.memory_limit import RankMemoryGuard, check_rank_memory
+from fastpipe.distributed.memory_limit import RankMemoryGuard, capacity_guard, check_rank_memory
 from fastpipe.distributed.plan import check_balance_given, plan_for_ranks
 from fastpipe.distributed.rank_offload import RankOffload
 from fastpipe.distributed.rank_recompute import check_regions, described, rank_regions, whole_stage
@@ -44,6 +44,7 @@ from fastpipe.distributed.step_outcome import apply_outcome
 from fastpipe.distributed.tie_group import RankTies
 from fastpipe.distributed.watchdog import FIRST_STEP_TIMEOUT
 from fastpipe.errors import PipelineError
+from fastpipe.memory.capacity import device_capacity
 from fastpipe.memory.offload import OffloadSpec
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.planner import Plan
@@ -70,19 +71,17 @@ class DistributedPipe(nn.Module):
     holds this rank's share of the Sequential's keys (see :func:`fastpipe.save`).
 
     Args:
-        module: the whole model. Layers of other ranks' stages are released
-            (moved to the meta device), so build the full model once per host only when
-            it fits; otherwise use :meth:`from_stage_builder`.
+        module: the whole model. Layers of other ranks' stages are released (moved to the meta device), so build
+            the full model once per host only when it fits; otherwise use :meth:`from_stage_builder`.
         balance: layers per stage; ``len(balance)`` is the pipeline group size, a multiple
             of it with ``schedule="interleaved"``, or twice it with ``"zb-v"``/``"dualpipev"``; ``"auto"``: planned
             with the "auto" schedule and checkpoint under ``memory_limit`` (:mod:`fastpipe.distributed.plan`).
         chunks: micro-batches per mini-batch.
         schedule: one of :data:`fastpipe.schedule.SCHEDULES`; it fixes which stages this rank holds.
             ``"auto"`` with ``balance="auto"``: the planner's choice.
-        checkpoint: as for :class:`fastpipe.Pipe`: whole-stage modes, or a per-layer policy (a predicate over
-            the whole model's layers, or parts of decoder blocks; :mod:`fastpipe.distributed.rank_recompute`);
-            ``"auto"`` with ``memory_limit``: per step shape, the least recompute (never, except_last, always)
-            whose predicted peak fits on every rank; without a limit, nothing recomputed.
+        checkpoint: as for :class:`fastpipe.Pipe`: whole-stage modes, a per-layer policy (over the whole model's
+            layers: :mod:`fastpipe.distributed.rank_recompute`), or ``"auto"`` (default): per step shape, the least of
+            never, except_last, always that fits ``memory_limit``, or without one the ranks' least CUDA capacity.
         process_group: the pipeline group (default: WORLD).
         mesh: a DeviceMesh with dims ``("pp", "dp")`` instead of the groups.
         dp_group: the data-parallel group of this rank's replicas (with ``process_group``).
@@ -94,9 +93,8 @@ class DistributedPipe(nn.Module):
             :class:`~fastpipe.PipelineError` on every rank within it.
         first_step_timeout: the bound during the first step (never below ``timeout``), which a cold
             start (first Triton compiles, NCCL connections) can make take minutes.
-        on_nan: a NaN/inf loss ``"raise"`` s :class:`~fastpipe.PipelineError` on every rank
-            (naming step and micro-batch), or ``"skip"`` s the step: no gradients are
-            accumulated and the non-finite loss is returned.
+        on_nan: a NaN/inf loss ``"raise"`` s :class:`~fastpipe.PipelineError` on every rank (naming step and
+            micro-batch), or ``"skip"`` s the step: no gradients are accumulated and the non-finite loss is returned.
         free_others: release the layers of other ranks' stages in ``module``.
         bucket_bytes: size of one data-parallel (or tied-weight) gradient all-reduce bucket.
         p2p: how payloads are matched between ranks: ``"tags"`` (gloo only) or ``"ordered"`` (what NCCL
@@ -110,13 +108,12 @@ class DistributedPipe(nn.Module):
         sample, sample_side_inputs: with ``balance="auto"``: a mini-batch like the real ones (read on the
             first rank) and its side inputs.
 
-    A tensor that layers on several stages use (an embedding tied to the head) is found in
-    ``module``. Each rank that uses it holds its own under the Sequential's name of its first
-    use there (``"0.wte.weight"``; ``"9.weight"`` on the head's rank), which
-    :func:`fastpipe.save` loads into the tied Sequential. The first stage's value is
-    broadcast at construction and the gradient summed over those ranks after every backward
-    (:mod:`fastpipe.distributed.tie_group`), so the optimizers keep the copies bitwise equal.
-    Change one outside the optimizer on all of them, or call ``pipe.ties.sync()`` on every rank.
+    A tensor that layers on several stages use (an embedding tied to the head) is found in ``module``. Each rank
+    that uses it holds its own under the Sequential's name of its first use there (``"0.wte.weight"``;
+    ``"9.weight"`` on the head's rank), which :func:`fastpipe.save` loads into the tied Sequential. The first
+    stage's value is broadcast at construction and the gradient summed over those ranks after every backward
+    (:mod:`fastpipe.distributed.tie_group`), so the optimizers keep the copies bitwise equal. Change one outside
+    the optimizer on all of them, or call ``pipe.ties.sync()`` on every rank.
     """
 
     def __init__(
@@ -126,7 +123,7 @@ class DistributedPipe(nn.Module):
         *,
         chunks: int = 1,
         schedule: str = "1f1b",
-        checkpoint: CheckpointSetting = "except_last",
+        checkpoint: CheckpointSetting = "auto",
         process_group: Any = None,
         mesh: Any = None,
         dp_group: Any = None,
@@ -215,9 +212,12 @@ class DistributedPipe(nn.Module):
             check_same_settings(settings, among, what, timeout)
         # Each rank checks the side inputs of a call against the whole model's, and learns its ties.
         mine_facts = {"side": [n for st in stages.values() for n in st.side_names], "ties": built.report(),
-                      "regions": rank_regions(checkpoint, stages, balance, wrong)}  # fmt: skip
+                      "regions": rank_regions(checkpoint, stages, balance, wrong),
+                      "capacity": device_capacity(self.device)}  # fmt: skip
         facts = gather_objects(mine_facts, control, "exchanging the stages' side inputs and ties", timeout)
         check_regions(checkpoint, [f["regions"] for f in facts])
+        if guard is None and checkpoint == "auto":  # every rank decides alike, from everyone's facts
+            self.memory_guard = capacity_guard([f["capacity"] for f in facts], optimizer_state, dp_shard)
         self._side_names = list(dict.fromkeys(n for f in facts for n in f["side"]))
         self._ties = RankTies(built, [f["ties"] for f in facts], stages, self._runtime, bucket_bytes)
         self.dp_shard = dp_shard

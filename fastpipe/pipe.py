@@ -82,9 +82,10 @@ class Pipe(nn.Module):
             with several workers): pass the number of micro-batches, at least the number of stages.
         checkpoint: what the backward recomputes (docs/memory.md): whole stages, ``"always"``, ``"except_last"``
             (all micro-batches but the last) or ``"never"``; layers, ``fn(index, layer) -> bool``; parts of decoder
-            blocks, ``"attention"``/``"mlp"`` or a list; ``"auto"``: the least that fits ``memory_limit``. Nothing in
-            ``eval()``. Recompute replays dropout bit for bit: each (stage, micro-batch) has its own generator.
-            Default: ``"except_last"``; ``"auto"`` (nothing recomputed where it fits) when ``memory_limit`` is given.
+            blocks, ``"attention"``/``"mlp"`` or a list; ``"auto"`` (default): the least that fits ``memory_limit``, or
+            without one the stage devices' capacity (CUDA; nothing recomputed on host memory), chosen at the first
+            ``train_step`` or training ``forward`` of each shape. Nothing in ``eval()``. Recompute replays dropout bit
+            for bit: each (stage, micro-batch) has its own generator.
         deferred_batch_norm: BatchNorm layers become :class:`DeferredBatchNorm` (statistics of the whole mini-batch).
         trace: record a :class:`~fastpipe.trace.timeline.Timeline` of every step in ``last_timeline``.
         schedule: the default schedule of :meth:`train_step` (``forward`` is always GPipe's: autograd runs its
@@ -230,8 +231,8 @@ class Pipe(nn.Module):
         caller = CallerState.capture()
         step_seed = draw_step_seed()
         self.last_timeline = self._runtime.start_timeline(self.trace, len(self._stages))
-        schedule = self._offload.prefetch(pipe_schedule("gpipe", len(self._stages), len(microbatches), 1))
-        checkpoint = self._recompute.predicate(self.checkpoint, self.training, len(microbatches))
+        schedule = pipe_schedule("gpipe", len(self._stages), len(microbatches), 1)
+        checkpoint, schedule = self._recompute.for_forward(self.checkpoint, schedule, microbatches[0], grad)
         if not grad:
             kw: dict[str, Any] = {"checkpoint": checkpoint, "caller": caller, "step_seed": step_seed, "side": side_mbs}
             outputs, _ = self._runtime.forward(schedule, microbatches, grad=False, **kw)

@@ -66,6 +66,7 @@ class FitMemoryGuard:
 
     Args:
         limit: bytes per device: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
+        source: what the limit is where no ``memory_limit`` was given (:func:`~fastpipe.memory.limit.limit_source`).
 
     Attributes:
         limit: the budget in bytes.
@@ -76,8 +77,9 @@ class FitMemoryGuard:
         checkpoint: what the last window checked recomputes: the pipe's mode, or what ``"auto"`` chose.
     """
 
-    def __init__(self, limit: int | float | str) -> None:
+    def __init__(self, limit: int | float | str, source: str | None = None) -> None:
         self.limit = parse_bytes(limit)
+        self.source = source
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         self.chosen: dict[tuple[Any, ...], str] = {}
         self.offload: dict[tuple[Any, ...], list[float]] = {}
@@ -115,7 +117,7 @@ class FitMemoryGuard:
         over = over_limit(devices, self.limit)
         if over is not None:
             tried = f" (checkpoint='auto' tried {', '.join(_LEAST_FIRST)})" if auto else ""
-            raise ValueError(refusal(over, self.limit) + tried)
+            raise ValueError(refusal(over, self.limit, self.source) + tried)
         return devices
 
 

@@ -127,8 +127,10 @@ class FitRun(Iterator[Tensor]):
         self.max_grad_norm = max_grad_norm
         self.window = window
         self.trace = trace
-        limit = getattr(getattr(pipe, "memory_guard", None), "limit", None) if memory_limit is None else memory_limit
-        self.memory_guard = None if limit is None else FitMemoryGuard(limit)
+        guard = getattr(pipe, "memory_guard", None)
+        limit = getattr(guard, "limit", None) if memory_limit is None else memory_limit
+        source = getattr(guard, "source", None) if memory_limit is None else None
+        self.memory_guard = None if limit is None else FitMemoryGuard(limit, source)
         self.steps = 0
         self.weight_copy_bytes = {s: 0 for s in self.stages}
         self.weight_copy_bound = {s: 0 for s in self.stages}

@@ -47,7 +47,7 @@ from fastpipe.balance._untouched import state_kept
 from fastpipe.distributed.fsdp_step import StageShards
 from fastpipe.distributed.rank_recompute import stage_policy
 from fastpipe.errors import PipelineError
-from fastpipe.memory.limit import over_limit, refusal
+from fastpipe.memory.limit import limit_source, over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.offload_choice import StageOffload, choose_fractions, offloaded
 from fastpipe.memory.receive_buffers import buffered_stages, receive_buffer_bytes
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from fastpipe.distributed.runtime import DistributedRuntime
     from fastpipe.distributed_pipe import DistributedPipe
 
-__all__ = ["RankMemoryGuard", "check_rank_memory"]
+__all__ = ["RankMemoryGuard", "capacity_guard", "check_rank_memory"]
 
 _LEAST_FIRST = ("never", "except_last", "always")  # checkpoint="auto" tries them in this order
 
@@ -76,6 +76,7 @@ class RankMemoryGuard:
         limit: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
         optimizer: the optimizer whose state to count (Adam's two moments by default, see
             :func:`~fastpipe.memory.model.optimizer_factor`).
+        source: what the limit is where no ``memory_limit`` was given (:func:`~fastpipe.memory.limit.limit_source`).
         dp_shard: the pipe's ``dp_shard``: with ``"fsdp"`` each device's parameters, gradient
             shards and optimizer state count as its 1/D shards, besides the step's gathered working
             set (:mod:`fastpipe.memory.sharded`).
@@ -92,15 +93,31 @@ class RankMemoryGuard:
     """
 
     def __init__(
-        self, limit: int | float | str, optimizer: OptimizerSpec = "adam", *, dp_shard: str = "replicate"
+        self,
+        limit: int | float | str,
+        optimizer: OptimizerSpec = "adam",
+        *,
+        dp_shard: str = "replicate",
+        source: str | None = None,
     ) -> None:
         self.limit = parse_bytes(limit)
+        self.source = source
         self.dp_shard = dp_shard
         self.optimizer = optimizer
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
         self.chosen: dict[tuple[Any, ...], str] = {}
         self.offload: dict[tuple[Any, ...], list[float]] = {}  # each stage's share offloaded, by step key
         self.last: list[DeviceMemory] = []
+
+
+def capacity_guard(capacities: Sequence[int | None], optimizer: OptimizerSpec, dp_shard: str) -> RankMemoryGuard | None:
+    """The guard of a pipe without ``memory_limit`` under ``checkpoint="auto"``: the least of the
+    pipeline ranks' device capacities (:func:`~fastpipe.memory.capacity.device_capacity`, gathered
+    from every rank), or None where a rank's device reports none (host memory)."""
+    if not capacities or any(c is None for c in capacities):
+        return None
+    least = min(c for c in capacities if c is not None)
+    return RankMemoryGuard(least, optimizer, dp_shard=dp_shard, source=limit_source(["the pipeline's devices"]))
 
 
 def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[Any, Any], Tensor]) -> str | None:
@@ -168,7 +185,7 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
             )
     if over is not None:
         tried_note = f" (checkpoint='auto' tried {', '.join(modes)})" if auto else ""
-        raise ValueError(refusal(over, guard.limit) + tried_note + _sharded_note(runtime))
+        raise ValueError(refusal(over, guard.limit, guard.source) + tried_note + _sharded_note(runtime))
     return mode if auto else None
 
 

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
 
     from fastpipe.memory.offload_bytes import OffloadBytes
 
-__all__ = ["MARGIN", "GuardedStep", "MemoryGuard", "over_limit", "refusal", "sample_key"]
+__all__ = ["MARGIN", "GuardedStep", "MemoryGuard", "limit_source", "over_limit", "refusal", "sample_key"]
 
 #: A step as :meth:`MemoryGuard.predict` takes it: layers, balance, schedule, checkpoint, wgrad_batch,
 #: sample, target, loss_fn.
 GuardedStep = tuple[
-    Sequence[nn.Module], Sequence[int], Schedule, str | Recompute, int, Any, Any, Callable[[Any, Any], Tensor]
+    Sequence[nn.Module], Sequence[int], Schedule, str | Recompute, int, Any, Any, Callable[[Any, Any], Tensor] | None
 ]
 
 #: The share of a prediction kept free for the model's error (it is within 5% of counted bytes).
@@ -50,12 +50,18 @@ class MemoryGuard:
         limit: bytes per device: an int, or a size such as ``"24GiB"`` (:func:`~fastpipe.memory.sizes.parse_bytes`).
         optimizer: the optimizer whose state to count (:func:`~fastpipe.memory.model.optimizer_factor`).
         options: the pipe's switches, which decide how its Linears' weight gradients are made.
+        source: what the limit is where no ``memory_limit`` was given (:func:`limit_source`); None: ``memory_limit``.
     """
 
     def __init__(
-        self, limit: int | float | str, optimizer: OptimizerSpec = "adam", options: RuntimeOptions | None = None
+        self,
+        limit: int | float | str,
+        optimizer: OptimizerSpec = "adam",
+        options: RuntimeOptions | None = None,
+        source: str | None = None,
     ) -> None:
         self.limit = parse_bytes(limit)
+        self.source = source
         self.optimizer = optimizer
         self.options = options or RuntimeOptions()
         self.predicted: dict[tuple[Any, ...], list[DeviceMemory]] = {}
@@ -76,7 +82,7 @@ class MemoryGuard:
         wgrad_batch: int,
         sample: Any,
         target: Any,
-        loss_fn: Callable[[Any, Any], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor] | None,
     ) -> list[DeviceMemory]:
         """The devices' predicted peaks for a step, measured once per key.
 
@@ -89,7 +95,7 @@ class MemoryGuard:
             wgrad_batch: micro-batches per batched W.
             sample: one micro-batch of input.
             target: its target.
-            loss_fn: the step's loss.
+            loss_fn: the step's loss (None: the output's gradient is ones).
         """
         key = (
             schedule,
@@ -97,12 +103,13 @@ class MemoryGuard:
             wgrad_batch,
             sample_key(sample),
             None if self.offload is None else self.offload.key,
+            loss_fn is None,  # forward's measure, with no loss on the last stage
         )
         devices = self.predicted.get(key)
         if devices is None:
             policy = checkpoint if isinstance(checkpoint, Recompute) else None
             module = nn.Sequential(*layers)
-            measured = (None if policy is None else policy.regions_key, key[3], schedule.split_backward)
+            measured = (None if policy is None else policy.regions_key, key[3], schedule.split_backward, key[-1])
             stages = self._measured.get(measured) or measure_stages(
                 module,
                 balance,
@@ -140,7 +147,7 @@ class MemoryGuard:
         self.checkpoint = step[3]
         over = over_limit(devices, self.limit)
         if over is not None:
-            raise ValueError(refusal(over, self.limit))
+            raise ValueError(refusal(over, self.limit, self.source))
         return devices
 
 
@@ -150,16 +157,26 @@ def over_limit(devices: Sequence[DeviceMemory], limit: int) -> DeviceMemory | No
     return max(over, key=lambda d: d.total) if over else None
 
 
-def refusal(device: DeviceMemory, limit: int) -> str:
-    """Why ``device`` cannot run under ``limit`` bytes: what it needs, by part, and what to change."""
+def refusal(device: DeviceMemory, limit: int, source: str | None = None) -> str:
+    """Why ``device`` cannot run under ``limit`` bytes: what it needs, by part, and what to change.
+
+    ``source`` names the limit where no ``memory_limit`` was given (:func:`limit_source`).
+    """
+    named = f"memory_limit={format_bytes(limit)}" if source is None else f"{source} ({format_bytes(limit)})"
     parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in device.parts.items() if n)
     offload = "" if device.offloaded else ", offload saved activations to host memory (offload='auto')"
     return (
         f"fastpipe: device {device.worker} (stages {', '.join(map(str, device.stages))}) needs "
         f"{format_bytes(device.total)}, plus {MARGIN:.0%} kept for the prediction's error, over "
-        f"memory_limit={format_bytes(limit)}: {parts}. Raise the limit, recompute "
+        f"{named}: {parts}. Raise the limit, recompute "
         f"(checkpoint='always'){offload}, use fewer or smaller micro-batches, or spread the model over more devices"
     )
+
+
+def limit_source(devices: Sequence[Any]) -> str:
+    """How a refusal names a limit taken from ``devices``' capacity (:mod:`fastpipe.memory.capacity`)."""
+    names = ", ".join(dict.fromkeys(str(d) for d in devices))
+    return f"the capacity of {names}, taken as the limit since no memory_limit was given"
 
 
 def sample_key(value: Any) -> Any:

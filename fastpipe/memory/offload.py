@@ -175,7 +175,12 @@ class PipeOffload:
         return found
 
     def for_step(
-        self, schedule: Schedule, sample: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], checkpoint: Any
+        self,
+        schedule: Schedule,
+        sample: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor] | None,
+        checkpoint: Any,
     ) -> Schedule:
         """A ``train_step``'s schedule with its prefetches; ``"auto"`` first chooses what to offload.
 
@@ -183,7 +188,7 @@ class PipeOffload:
             schedule: the step's schedule.
             sample: one micro-batch of input.
             target: its target.
-            loss_fn: the step's loss.
+            loss_fn: the step's loss (None: the output's gradient is ones, as for ``forward``).
             checkpoint: what the step recomputes, as the memory guard takes it.
         """
         if self.auto and self.guard is not None:
@@ -194,8 +199,9 @@ class PipeOffload:
 
     def _choose(self, guard: MemoryGuard, schedule: Schedule, rest: tuple[Any, ...]) -> None:
         """Per device, the least fraction (in eighths) whose predicted peak fits the guard's limit."""
-        checkpoint, _, sample, _, _ = rest
-        key = (schedule, checkpoint, sample_key(sample))  # a Recompute is hashed by value: its ids are reused
+        checkpoint, _, sample, _, loss_fn = rest
+        # A Recompute is hashed by value: its ids are reused.
+        key = (schedule, checkpoint, sample_key(sample), loss_fn is None)
         chosen = self._chosen.get(key)
         if chosen is None:
             modules = [st.module for st in self.stages]

@@ -8,8 +8,8 @@ held fixed; the pipe then runs the choice (``pipe.plan``). The planner considers
 schedules only, which build for any number of micro-batches. Otherwise each "auto" resolves
 alone, as before: ``balance`` here, the others at the first ``train_step``.
 
-``checkpoint`` left to its default is ``"except_last"`` (torchgpipe's), and ``"auto"`` under a
-limit (nothing recomputed where the limit allows); a value given, ``"except_last"`` too, is kept.
+``checkpoint`` defaults to ``"auto"``: the least recompute that fits ``memory_limit``, or the
+stage devices' capacity without one (:mod:`fastpipe.memory.recompute`).
 """
 
 from __future__ import annotations
@@ -35,17 +35,11 @@ from fastpipe.step.auto_schedule import AutoSchedule, is_auto
 from fastpipe.step.microbatch import Value, check_value, tensors_of
 from fastpipe.step.recompute_policy import Recompute, checkpoint_setting
 
-__all__ = ["DEFAULT_CHECKPOINT", "PipeSettings", "default_checkpoint", "resolve_settings"]
+__all__ = ["DEFAULT_CHECKPOINT", "PipeSettings", "resolve_settings"]
 
 
-class _Default(str):
-    """A ``checkpoint`` left to its default: the string torchgpipe's default is, told apart from one given."""
-
-    __slots__ = ()
-
-
-#: ``Pipe``'s ``checkpoint`` default: ``"except_last"`` (torchgpipe's), ``"auto"`` under a memory limit.
-DEFAULT_CHECKPOINT: str = _Default("except_last")
+#: ``Pipe``'s ``checkpoint`` default: the least recompute that fits (:mod:`fastpipe.memory.recompute`).
+DEFAULT_CHECKPOINT = "auto"
 
 
 @dataclass(frozen=True)
@@ -67,16 +61,6 @@ class PipeSettings:
     checkpoint: str | Recompute
     offload: OffloadSpec
     plan: Plan | None
-
-
-def default_checkpoint(checkpoint: object, memory_limit: object) -> object:
-    """``checkpoint`` left to its default: ``"auto"`` under a memory limit, else ``"except_last"``.
-
-    Anything given, None included, is the caller's, to be checked as given.
-    """
-    if not isinstance(checkpoint, _Default):
-        return checkpoint
-    return "except_last" if memory_limit is None else "auto"
 
 
 def resolve_settings(
@@ -105,7 +89,7 @@ def resolve_settings(
         fastpipe.balance.BalanceError: the stage count is unknown, or there are fewer layers than stages.
     """
     optimizer_factor(optimizer)  # a bad one is refused whether or not a limit reads it
-    setting = checkpoint_setting(default_checkpoint(checkpoint, memory_limit))
+    setting = checkpoint_setting(checkpoint)
     auto_offload = isinstance(offload, str) and offload == "auto"
     autos = [is_auto(schedule), setting == "auto", auto_offload]
     if memory_limit is None or not (isinstance(balance, str) and balance == "auto") or not any(autos):

@@ -11,7 +11,9 @@ Each candidate's peak is predicted from the stages measured under it
 (:meth:`~fastpipe.memory.limit.MemoryGuard.predict`, once per key), so a candidate that fits
 is one the limit lets through. When none fits, the step raises before it runs, as
 ``memory_limit`` does, naming the device and what it holds under the candidate that needs the
-least. Without a limit ``"auto"`` recomputes nothing: there is nothing to save memory for.
+least. Without ``memory_limit`` the limit is the stage devices' capacity where they report one
+(CUDA: :mod:`fastpipe.memory.capacity`); on host memory ``"auto"`` recomputes nothing, there
+being no device budget to save memory for.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from fastpipe.memory.limit import MemoryGuard, over_limit, refusal
+from fastpipe.memory.capacity import capacity_limit
+from fastpipe.memory.limit import MemoryGuard, limit_source, over_limit, refusal
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec
 from fastpipe.memory.sizes import format_bytes
 from fastpipe.runtime.selective import set_regions
@@ -51,7 +54,8 @@ class PipeRecompute:
         setting: the pipe's ``checkpoint`` at construction: a per-layer policy is set on the stages
             at once, so a part that no layer has is refused when the pipe is built.
         stages: the pipe's stages.
-        memory_limit: the pipe's ``memory_limit`` (None: no guard).
+        memory_limit: the pipe's ``memory_limit``. None: under ``"auto"``, the stage devices' capacity
+            (:func:`~fastpipe.memory.capacity.capacity_limit`) where they report one, else no guard.
         optimizer: the optimizer state the guard counts (:func:`~fastpipe.memory.optimizer.optimizer_factor`).
     """
 
@@ -64,14 +68,19 @@ class PipeRecompute:
     ) -> None:
         self.stages = list(stages)
         options = self.stages[0].options if self.stages else None
+        checked = checkpoint_setting(setting)
         self.guard = None if memory_limit is None else MemoryGuard(memory_limit, optimizer, options)
+        if memory_limit is None and checked == "auto":
+            devices = [s.device for s in self.stages]
+            capacity = capacity_limit(devices)
+            if capacity is not None:
+                self.guard = MemoryGuard(capacity, optimizer, options, source=limit_source(devices))
         #: What the last step ran: the pipe's setting, or ``"auto"``'s choice (None before its first step).
         self.chosen: str | Recompute | None = None
         #: The pipe's offload: under ``offload="auto"`` each recompute tried gets the least offload that fits it.
         self.offload: PipeOffload | None = None
         self._applied: str | Recompute = "never"
         self._auto: dict[tuple[Any, ...], str | Recompute] = {}  # "auto"'s choice per schedule and shape
-        checked = checkpoint_setting(setting)
         if checked != "auto":
             self._run(checked)
 
@@ -85,13 +94,28 @@ class PipeRecompute:
             self._run(checked)
         return checkpoint_predicate(_whole_stage(self.chosen), training, per_minibatch)
 
+    def for_forward(
+        self, setting: object, schedule: Schedule, sample: Any, grad: bool
+    ) -> tuple[Callable[[int], bool], Schedule]:
+        """A ``forward``'s recompute and schedule (with the offload's prefetches).
+
+        A training forward that builds a graph is checked (or, for ``"auto"``, chosen) against the
+        limit as :meth:`for_step` does; the caller's loss is not the pipe's, so the output's
+        gradient stands in for it (ones). Otherwise it runs :meth:`predicate`'s choice.
+        """
+        training = self.stages[0].module.training  # the pipe's mode: Pipe.train sets its stages'
+        if grad and training and self.guard is not None:
+            return self.for_step(setting, schedule, sample, None, None)
+        prefetched = schedule if self.offload is None else self.offload.prefetch(schedule)
+        return self.predicate(setting, training, schedule.num_microbatches), prefetched
+
     def for_step(
         self,
         setting: object,
         schedule: Schedule,
         sample: Any,
         target: Any,
-        loss_fn: Callable[[Any, Any], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor] | None,
     ) -> tuple[Callable[[int], bool], Schedule]:
         """Check (or, for ``"auto"``, choose) a ``train_step``'s recompute against the limit.
 
@@ -104,7 +128,7 @@ class PipeRecompute:
             schedule: the step's schedule, without prefetches.
             sample: one micro-batch of input.
             target: its target.
-            loss_fn: the step's loss.
+            loss_fn: the step's loss (None for ``forward``: the output's gradient is ones).
 
         Returns:
             Which micro-batches recompute their whole stage, and the schedule with the offload's prefetches.
@@ -125,7 +149,7 @@ class PipeRecompute:
             balance = [len(list(m.children())) for m in modules]
             rest = (self.stages[-1].wgrad_batch, sample, target, loss_fn)
             if checked == "auto":
-                key = (schedule, self.stages[-1].wgrad_batch, _signature(sample))
+                key = (schedule, self.stages[-1].wgrad_batch, _signature(sample), loss_fn is None)
                 found = self._auto.get(key)
                 if found is None:
                     found = self._choose(self.guard, auto_candidates(modules), (layers, balance, prefetched), rest)
@@ -164,7 +188,7 @@ class PipeRecompute:
         over = over_limit(least, guard.limit)
         assert over is not None
         names = ", ".join(str(c) for c, _ in tried)
-        raise ValueError(f"{refusal(over, guard.limit)} (checkpoint='auto' tried, least first: {names})")
+        raise ValueError(f"{refusal(over, guard.limit, guard.source)} (checkpoint='auto' tried, least first: {names})")
 
     def _run(self, choice: str | Recompute) -> None:
         """Make ``choice`` what the stages run: its regions set, or none."""

@@ -185,17 +185,17 @@ def measure_stages(
         with PeakMeter(tensors_of(run.value)[0].device):
             pass
     measured = []
-    for s, stage in enumerate(stages):
-        last = s == len(stages) - 1
-        finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
-        _arrive(run, stage)
-        found = _measure_stage(stage, run, side, finish, outside, fusing, transients, regions[s], split)
-        params = [p for p in stage.parameters() if p.requires_grad]
-        measured.append(
-            dataclasses.replace(
-                found, optimized=found.trainable - _bytes(_storages(p for p in params if id(p) in copies))
-            )
-        )
+    # A layer that draws (dropout) must not move the generators the step after this draws from.
+    cuda = sorted({t.device.index or 0 for t in [*module.parameters(), *tensors_of(sample)] if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        for s, stage in enumerate(stages):
+            last = s == len(stages) - 1
+            finish = (lambda out: loss_fn(out, target)) if last and loss_fn is not None else None
+            _arrive(run, stage)
+            found = _measure_stage(stage, run, side, finish, outside, fusing, transients, regions[s], split)
+            params = [p for p in stage.parameters() if p.requires_grad]
+            optimized = found.trainable - _bytes(_storages(p for p in params if id(p) in copies))
+            measured.append(dataclasses.replace(found, optimized=optimized))
     return measured
 
 

@@ -38,7 +38,9 @@ def limits_on_ranks(rank: int, world: int, schedule: str, balance: list[int]) ->
     install()  # before the models exist
 
     def pipe(limit: int | str) -> fastpipe.DistributedPipe:
-        return fastpipe.DistributedPipe(model(), balance, chunks=M, schedule=schedule, memory_limit=limit)
+        # A fixed policy: under the default "auto" a tight limit picks more recompute instead of refusing.
+        return fastpipe.DistributedPipe(model(), balance, chunks=M, schedule=schedule, memory_limit=limit,
+                                        checkpoint="except_last")  # fmt: skip
 
     refusal = refuse_the_bare_prediction(pipe, x, y)
     fits = pipe(refusal.limit)

@@ -61,3 +61,18 @@ def test_memory_limit_measures_a_pipe_whose_stages_sit_on_two_devices() -> None:
     x, y = torch.randn(4 * ROWS, D), torch.randn(4 * ROWS, D)
     pipe.train_step(x, y, ProductLoss())
     assert len(pipe.memory_guard.last) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_default_pipe_on_cuda_is_held_to_the_devices_capacity_and_recomputes_nothing_there() -> None:
+    free, total = torch.cuda.mem_get_info(0)
+    pipe = Pipe(model(), [2, 2], devices=["cuda:0", "cuda:0"], chunks=4)
+    try:
+        guard = pipe.memory_guard
+        assert guard is not None and free <= guard.limit <= total and "capacity of cuda:0" in str(guard.source)
+        x, y = torch.randn(4 * ROWS, D, device="cuda:0"), torch.randn(4 * ROWS, D, device="cuda:0")
+        pipe.train_step(x, y, ProductLoss())
+        assert pipe.checkpoint_chosen == "never"  # a few MiB fit any GPU
+        ProductLoss()(pipe(x), y).backward()  # a training forward is checked under the same guard
+    finally:
+        pipe.close()

@@ -79,11 +79,11 @@ def test_the_planned_balance_and_schedule_are_the_ones_the_pipe_runs() -> None:
         pipe.close()
 
 
-def test_checkpoint_left_to_its_default_is_auto_only_under_a_limit() -> None:
+def test_checkpoint_left_to_its_default_is_auto_with_or_without_a_limit() -> None:
     plain = Pipe(blocks(), [2, 2], devices=["cpu"] * 2, chunks=M)
     limited = Pipe(blocks(), [2, 2], devices=["cpu"] * 2, chunks=M, memory_limit="1GiB")
     try:
-        assert plain.checkpoint == "except_last"
+        assert plain.checkpoint == "auto"
         assert limited.checkpoint == "auto"
         given = Pipe(blocks(), [2, 2], devices=["cpu"] * 2, chunks=M, memory_limit="1GiB", checkpoint="except_last")
         assert given.checkpoint == "except_last"  # a value given is kept, torchgpipe's default too
@@ -108,7 +108,7 @@ def test_one_auto_alone_resolves_on_its_own_path(monkeypatch: pytest.MonkeyPatch
     assert alone.plan is None and alone.balance == [2, 2] and alone.checkpoint == "never"
     together = planner_pipe.resolve_settings(
         blocks(), "auto", "1f1b", planner_pipe.DEFAULT_CHECKPOINT, None, memory_limit="1GiB", wgrad_batch=None, **given
-    )  # checkpoint defaults to "auto" under a limit: two "auto"s
+    )  # checkpoint defaults to "auto": two "auto"s
     assert together.plan is not None and together.checkpoint == "never"
 
 

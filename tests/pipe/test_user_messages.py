@@ -77,8 +77,9 @@ def test_distributed_pipe_under_torchrun_without_a_group_says_to_init_it(
 # -- torchgpipe's name ------------------------------------------------------------------------
 
 # torchgpipe 0.0.7's GPipe.__init__(module, balance=None, *, devices=None, chunks=1,
-# checkpoint="except_last", deferred_batch_norm=False).
-TORCHGPIPE_DEFAULTS = {"devices": None, "chunks": 1, "checkpoint": "except_last", "deferred_batch_norm": False}
+# checkpoint="except_last", deferred_batch_norm=False). fastpipe's checkpoint default is "auto"
+# instead: the least recompute that fits the devices, with the same outputs and gradients.
+TORCHGPIPE_DEFAULTS = {"devices": None, "chunks": 1, "checkpoint": "auto", "deferred_batch_norm": False}
 
 
 def test_gpipe_is_pipe_and_takes_torchgpipes_arguments_with_their_defaults() -> None:
