@@ -301,7 +301,11 @@ def _measure(
             target = step.targets[0] if last else None
             offload = pipe._offload.measure(s, sample, target, loss_fn if last else None)
             store = SkipStore(pending) if has_skips(module) else None
-            with torch.enable_grad():  # as the step runs it (a layer may branch on grad mode)
+            # As the step runs it (a layer may branch on grad mode), but saving nothing: only the output
+            # and the skips are wanted, and a graph kept until the return would hold every layer's saved
+            # tensors at once, the whole stage's activation without its recompute, during the first
+            # step (under a per-layer policy, more than the step itself holds on the last ranks).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_unsaved, _unpacked):
                 out = run_layers(module, sample, side, store)  # the last stage too: which skips it pops
         left = store.values if store is not None else pending
         return _Measured(
@@ -314,6 +318,15 @@ def _measure(
         )
     except Exception as exc:  # noqa: BLE001 - sent to every rank, which all raise
         return _Measured(None, error=f"measuring stage {s} for memory_limit raised {type(exc).__name__}: {exc}")
+
+
+def _unsaved(_: Any) -> None:
+    """A saved-tensor hook of a forward that no backward will run: keep nothing."""
+    return None
+
+
+def _unpacked(_: None) -> Tensor:
+    raise RuntimeError("the measuring forward's graph has no saved tensors to run a backward with")
 
 
 @contextlib.contextmanager
