@@ -2,7 +2,8 @@
 
 :class:`OffloadBytes` runs each stage's forward once on one micro-batch under the runtime's own
 choice (:class:`~fastpipe.runtime.offload.SavedSet`: the saved tensors that only autograd holds
-when the forward ends, in the order saved) and keeps their sizes; a policy's ``fraction`` then
+when the forward ends, in the order saved; seen through :class:`~fastpipe.runtime.offload.SizeProbe`,
+which holds none of them) and keeps their sizes; a policy's ``fraction`` then
 picks the same prefix the runtime picks (:func:`~fastpipe.runtime.offload.chosen_prefix`). The
 result is :attr:`StageBytes.offloaded <fastpipe.memory.model.StageBytes.offloaded>`, which the memory
 model counts as host bytes (:mod:`fastpipe.memory.model`).
@@ -28,7 +29,7 @@ from fastpipe.memory.limit import sample_key
 from fastpipe.memory.model import StageBytes
 from fastpipe.memory.offload_choice import taken
 from fastpipe.runtime.host_copies import CopyPath
-from fastpipe.runtime.offload import OffloadPolicy, SavedSet, saving_hooks
+from fastpipe.runtime.offload import OffloadPolicy, SizeProbe, saving_hooks
 from fastpipe.runtime.stage import Stage
 from fastpipe.runtime.wgrad import Deferred, accumulating_linears
 from fastpipe.step.microbatch import Value, replace_tensors, tensors_of, to_device
@@ -93,16 +94,15 @@ class OffloadBytes:
                 if stage.skips.layers or stage.side_names:  # it (and so each stage after it) needs more than its input
                     break
                 value = to_device(value, stage.device)
-                saved = SavedSet(CopyPath(stage.device, force=True))
+                probe = SizeProbe(CopyPath(stage.device, force=True))
                 leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_of(value)]
                 value = replace_tensors(value, leaves)
-                with torch.enable_grad(), accumulating_linears(stage.linears, Deferred()):
-                    with saving_hooks(stage.module, scope, saved):
+                with torch.enable_grad(), accumulating_linears(stage.linears, Deferred()), probe.outside():
+                    with saving_hooks(stage.module, scope, probe):
                         out = stage.module(value)
                         if s == len(self.stages) - 1 and loss_fn is not None:
                             out = loss_fn(out, to_device(target, stage.device))
-                found[s] = [r.nbytes for r in saved.candidates()]
-                saved.release()
+                found[s] = probe.sizes()
                 value = replace_tensors(out, [t.detach() for t in tensors_of(out)])
                 del out
         self._sizes[key] = found

@@ -24,6 +24,7 @@ went to the host has no other holder left that could change it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fastpipe.runtime.host_copies import CopyPath, copy_path, pending_copies
 from fastpipe.schedule.ir import Action, Schedule
@@ -209,8 +211,73 @@ class SavedSet:
         self.held.clear()
 
 
+class SizeProbe:
+    """The sizes :meth:`SavedSet.candidates` would return for one forward, without holding a tensor.
+
+    A forward run to learn what offload would take need not keep its activations: holding every
+    saved tensor until its end is the whole stage's activation at once, recompute or not, on the
+    device that offload is there to relieve. Each saved tensor is seen through weak references
+    instead. One that :class:`SavedSet` would hold alone is one whose storage nothing else holds
+    when the forward ends (no output, module, Python name or other saved tensor) and that is no view;
+    a tensor saved where :class:`SavedSet` does not hold it (outside the chosen layers, a parameter,
+    another device) is held there by autograd, so it takes its storage out of the count.
+
+    Args:
+        path: the stage's copies, as for :class:`SavedSet`.
+    """
+
+    def __init__(self, path: CopyPath) -> None:
+        self.path = path
+        self.seen: list[tuple[weakref.ref[Tensor], int, bool, StorageWeakRef]] = []
+        self.by_id: dict[int, int] = {}
+        self.held: list[StorageWeakRef] = []  # weak references keep a storage's address unique
+
+    def pack(self, t: Tensor) -> None:
+        if isinstance(t, nn.Parameter) or t.numel() == 0 or t.device != self.path.device or not self.path.fits(t):
+            self.elsewhere(t)
+            return None
+        index = self.by_id.get(id(t))
+        if index is None or self.seen[index][0]() is not t:  # an id can be reused once its tensor is gone
+            self.by_id[id(t)] = len(self.seen)
+            storage = StorageWeakRef(t.untyped_storage())
+            self.seen.append((weakref.ref(t), t.numel() * t.element_size(), t._is_view(), storage))
+        return None
+
+    def elsewhere(self, t: Tensor) -> None:
+        """A tensor saved outside :class:`SavedSet`'s hold: autograd keeps it, and so its storage."""
+        try:
+            self.held.append(StorageWeakRef(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):  # no storage (a subclass): nothing to share
+            pass
+
+    @staticmethod
+    def _unpacked(_: None) -> Tensor:
+        raise RuntimeError("fastpipe's offload measure keeps no saved tensor: its forward has no backward")
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self._unpacked)
+
+    def outside(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Around the whole forward, under :meth:`hooks`: the saves of the layers not chosen."""
+
+        def pack(t: Tensor) -> None:
+            self.elsewhere(t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpacked)
+
+    def sizes(self) -> list[int]:
+        """When the forward has ended (its output still held): the bytes of each candidate, in order saved."""
+        shared = collections.Counter(storage.cdata for *_, storage in self.seen)
+        shared.update({ref.cdata: 2 for ref in self.held})
+        return [
+            nbytes
+            for tensor, nbytes, view, storage in self.seen
+            if tensor() is None and not view and storage.expired() and shared[storage.cdata] == 1
+        ]
+
+
 @contextlib.contextmanager
-def saving_hooks(module: nn.Module, layers: frozenset[int] | None, saved: SavedSet) -> Iterator[None]:
+def saving_hooks(module: nn.Module, layers: frozenset[int] | None, saved: SavedSet | SizeProbe) -> Iterator[None]:
     """``saved``'s hooks around the whole forward, or around each chosen layer of ``module``."""
     if layers is None:
         with saved.hooks():
