@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         default="except_last",
         choices=("always", "except_last", "never", "auto"),
-        help="the recompute the pipe will run, which the memory model counts; auto: the planner chooses it with "
-        "the balance, the schedule (--schedule auto) and the offload, and prints the combinations",
+        help="the recompute the pipe will run, which the memory model counts; auto (Pipe's default): the planner "
+        "chooses it with the balance, the schedule (--schedule auto) and the offload, and prints the combinations; "
+        "the default here plans a fixed except_last (torchgpipe's)",
     )
     p.add_argument(
         "--offload",
