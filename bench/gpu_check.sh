@@ -58,7 +58,8 @@ PYTEST="python -m pytest -m gpu -v -p no:cacheprovider -p no:timeout -rfE --dura
 CORE="tests/runtime/test_c_runtime_gpu.py tests/runtime/test_deferred_wgrad.py tests/runtime/test_wgrad.py
   tests/pipe/test_gpu.py tests/runtime/test_replay.py tests/pipe/test_misuse.py tests/rng/test_rng_state.py"
 STREAMS="tests/runtime/test_gpu_stream_stress.py tests/pipe/test_gpu_gradients.py tests/memory/test_model_gpu.py
-  tests/distributed/test_host_syncs_gpu.py tests/runtime/test_offload_gpu.py"
+  tests/distributed/test_host_syncs_gpu.py tests/runtime/test_offload_gpu.py tests/memory/test_accounting.py
+  tests/memory/test_default_checkpoint.py"
 CLI="tests/cli/test_train_bench_gpu.py tests/asynchronous/test_fit.py tests/asynchronous/test_fit_deferred_batch_norm.py"
 # "name|limit_s|command", in the order they run. The limits sum to the default deadline.
 CHECKS=(

@@ -145,6 +145,7 @@ def test_measuring_a_stage_that_draws_leaves_the_generator_where_it_was() -> Non
     assert torch.equal(torch.rand(4), expected)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device's capacity")
 def test_a_cuda_device_reports_its_free_bytes_and_this_process_reserved() -> None:
     free, total = torch.cuda.mem_get_info(0)

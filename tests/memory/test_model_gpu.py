@@ -76,3 +76,28 @@ def test_a_default_pipe_on_cuda_is_held_to_the_devices_capacity_and_recomputes_n
         ProductLoss()(pipe(x), y).backward()  # a training forward is checked under the same guard
     finally:
         pipe.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_host_optimizer_keeps_adams_state_off_a_cuda_device_and_steps_as_adam_does() -> None:
+    import copy
+
+    from fastpipe import HostOptimizer
+
+    plain = model()[0].cuda()
+    hosted = copy.deepcopy(plain)
+    x, y = torch.randn(ROWS, D, device="cuda:0"), torch.randn(ROWS, D, device="cuda:0")
+    on_device = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    on_host = HostOptimizer(torch.optim.Adam, hosted.parameters(), lr=1e-3)
+    for _ in range(3):
+        for m, opt in ((plain, on_device), (hosted, on_host)):
+            opt.zero_grad()
+            ProductLoss()(m(x), y).backward()
+            opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(plain.parameters(), hosted.parameters()):
+        # The host's Adam rounds apart from the device's: ulps of a 1e-3 step, where a lost update is 1e-3.
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    state = [t for s in on_host.inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    assert state and all(t.device.type == "cpu" for t in state)
+    assert all(h.is_pinned() for h in on_host.host_params)  # the copies run at the link's speed
