@@ -61,7 +61,7 @@ def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSp
     part = layers[a:b]
     values: dict[str, int] = {}
     for f in dataclasses.fields(StageBytes):
-        if f.name in ("input", "gradients", "optimized", "w_gemms"):
+        if f.name in ("input", "gradients", "optimized", "w_gemms", "w_input", "bw_peak"):
             continue
         numbers = [getattr(st, f.name) for st in part]
         values[f.name] = max(numbers) if f.name in _LARGEST else sum(numbers)
@@ -69,6 +69,9 @@ def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSp
     return StageBytes(
         **values,
         input=part[0].input + crossing,
+        w_input=part[0].w_input,  # only the first layer reads the stage's input
+        # A first backward reaches layer i with the sums of the layers after it made.
+        bw_peak=max((st.bw_peak + sum(t.trainable for t in part[i + 1 :]) for i, st in enumerate(part)), default=0),
         gradients=sum(st.trainable for st in part),
         optimized=sum(st.stepped for st in part),
         w_gemms=tuple(g for st in reversed(part) for g in st.w_gemms),  # W runs the last layer's Linears first

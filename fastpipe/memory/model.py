@@ -10,7 +10,8 @@ The inputs are per-stage bytes of one micro-batch (:class:`StageBytes`; measured
                               w_kept ═════════════╡             (retained graph, outputs)
                               w_records ══════════════════════╡ (deferred Linears' x and dy)
 
-A combined backward (``BW``) frees all of it at its end. While an action runs it also holds
+The input of a stage whose stage before runs on the same device is there from the end of that
+stage's ``F``. A combined backward (``BW``) frees all of it at its end. While an action runs it also holds
 its transient bytes (temporaries, gradients in flight). With recompute (``checkpoint``) a micro-batch
 keeps only its input until its backward, which holds the activation again while it runs.
 Around that timeline:
@@ -22,8 +23,9 @@ parameters       always; a weight tied across stages is held by its owner and, a
                  reader stage (:mod:`fastpipe.model.ties`); a tensor two layers of one stage share
                  counts once
 gradients        each stage's running sums, to the end of the step, from the end of its first
-                 ``BW`` (which frees the saved tensors layer by layer as it writes the sums, so
-                 the two together peak at one of its ends) or from the start of its first ``W``
+                 ``BW`` (which makes its last layers' sums first, while the saved tensors of the
+                 layers before are alive: while it runs it holds its measured peak, ``bw_peak``,
+                 sums made so far included) or from the start of its first ``W``
                  that runs deferred GEMMs (which frees the records it reads only when done); in a
                  stream of mini-batches, one sum per mini-batch, to the end of its update ``U``
 optimizer        always: the state of the parameters the optimizer steps (tie copies excluded),
@@ -67,10 +69,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from fastpipe.memory.backward_points import check_stage_bytes, first_sums, sent_gradient, stacked_bytes
+from fastpipe.memory.backward_points import first_sums, sent_gradient, stacked_bytes
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
+from fastpipe.memory.stage_parts import StageBytes
 from fastpipe.schedule.fuse import adjacent_pairs
 from fastpipe.schedule.ir import Action, Schedule, ScheduleError
 from fastpipe.schedule.multistep import weight_versions
@@ -80,67 +83,6 @@ __all__ = ["PARTS", "DeviceMemory", "OptimizerSpec", "StageBytes", "optimizer_fa
 
 _CHECKPOINT = ("always", "except_last", "never")
 _POLICIES = ("sync", "stale", "stash", "predict")
-
-
-@dataclass(frozen=True)
-class StageBytes:
-    """What one stage holds, in bytes, for one micro-batch where it says so.
-
-    Attributes:
-        parameters: the stage's parameters, each storage once (a tie reader's copy included).
-        activation: what a micro-batch holds from its forward to its backward besides its
-            input: the tensors saved for backward and the stage's output.
-        input: the stage's input of one micro-batch (received, kept by the task until its
-            backward, or its ``W`` when split; all that recompute keeps).
-        w_records: what ``B`` leaves in deferred Linear records, besides the input: each
-            Linear's input and output gradient, kept until the ``W`` that runs them (the last
-            of its batch with ``wgrad_batch`` > 1).
-        w_kept: what else ``B`` keeps until the micro-batch's own ``W``: the graph where a
-            parameter is left for ``W`` (it is then retained whole), the stage outputs,
-            gradients ``B`` took early.
-        gradients: bytes of the trainable parameters (their gradient sums); None: ``parameters``.
-        optimized: bytes of the parameters the optimizer steps (a tie reader's copy is not);
-            None: ``gradients``.
-        f_transient: the most bytes a micro-batch's forward holds at once above both what it
-            starts with and what it leaves (temporaries between layers), while it runs.
-        b_transient: the same for its ``B`` (gradients in flight between layers).
-        bw_transient: the same for a combined backward (``BW``) into sums that exist.
-        w_stacked: the largest one Linear's record of a micro-batch (its ``x`` and ``dy``): a
-            ``W`` that runs several micro-batches' records stacks them, one Linear at a time.
-        offloaded: what of ``activation`` a prefetched micro-batch's forward moves to host memory.
-        bw_first: what the ``BW`` that makes the sums holds as it ends above what it leaves, its output aside.
-        w_gemms: per deferred Linear, in the order ``W`` runs them, ``(record, sums)``: one
-            micro-batch's record bytes and the bytes of the sums its GEMM makes; empty: unknown.
-    """
-
-    parameters: int
-    activation: int
-    input: int = 0
-    w_records: int = 0
-    w_kept: int = 0
-    gradients: int | None = None
-    optimized: int | None = None
-    f_transient: int = 0
-    b_transient: int = 0
-    bw_transient: int = 0
-    w_stacked: int = 0
-    offloaded: int = 0
-    bw_first: int = 0
-    w_gemms: tuple[tuple[int, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            check_stage_bytes(f.name, getattr(self, f.name))
-
-    @property
-    def trainable(self) -> int:
-        """Bytes of the parameters that get gradients."""
-        return self.parameters if self.gradients is None else self.gradients
-
-    @property
-    def stepped(self) -> int:
-        """Bytes of the parameters the optimizer steps."""
-        return self.trainable if self.optimized is None else self.optimized
 
 
 @dataclass(frozen=True)
@@ -288,7 +230,11 @@ def predict_memory(
         kept = 0 if redo else st.activation
         off = min(st.offloaded, kept) if (s, m) in schedule.prefetched else 0
         if action.kind == "F":
-            add((start, held_in + kept + st.f_transient, "activations"))
+            # On the device of the stage before, a recomputed stage's input is there from the end
+            # of that stage's forward, however long this forward waits behind other actions.
+            arrives = when(Action("F", s - 1, m))[2] if held_in and s > 0 and schedule.worker_of(s - 1) == w else start
+            add((min(arrives, start), held_in, "activations"))
+            add((start, kept + st.f_transient, "activations"))
             add((end, -st.f_transient - off, "activations"))
             add((start, produced[s] + consumed[s], "skips"))
             host[w].append((end, off, "offloaded"))
@@ -306,6 +252,8 @@ def predict_memory(
                 end, tail_end = math.nextafter(end, -math.inf), end
                 points[w].extend([(end, tail, "activations"), (tail_end, -tail, "activations")])
             in_flight = st.b_transient if split else st.bw_transient
+            if action in makes_sums and not split:  # it makes the last layers' sums while the rest is alive
+                in_flight = max(in_flight, st.bw_peak)
             during = max(in_flight, st.f_transient) + st.activation if redo else in_flight  # replay, then backward
             add((start, during, "activations"))
             add((end, -during, "activations"))
@@ -316,18 +264,24 @@ def predict_memory(
             if s > 0 and schedule.worker_of(s - 1) == w:  # across devices, the receive buffer holds it
                 upstream, upstream_end = sent_gradient(timed, s, m)
                 points[upstream].extend([(end, st.input, "activations"), (upstream_end, -st.input, "activations")])
-                if shared and split and (freed := when(Action("W", s, m))[2]) > upstream_end:  # a later W keeps it
-                    points[w].extend([(upstream_end, st.input, "activations"), (freed, -st.input, "activations")])
+                if shared and split:  # a later W keeps it: the task until its own, records until their batch's
+                    recorded = min(st.w_input, st.input)
+                    own, batch = when(Action("W", s, m))[2], when(release[(s, m)])[2]
+                    for nbytes, freed in ((st.input - recorded, own), (recorded, batch)):
+                        if nbytes and freed > upstream_end:
+                            points[w].extend([(upstream_end, nbytes, "activations"), (freed, -nbytes, "activations")])
             if split:
                 _, _, w_end = when(Action("W", s, m))
                 _, _, batch_end = when(release[(s, m)])
                 add((end, st.w_kept + st.w_records, "w_records"))
                 add((w_end, -st.w_kept, "w_records"))
                 add((batch_end, -st.w_records, "w_records"))
-                add((w_end, -held_in, "activations"))
+                recorded = min(st.w_input, held_in)  # the input a deferred Linear's record holds
+                add((w_end, recorded - held_in, "activations"))
+                add((batch_end, -recorded, "activations"))
                 add((w_end, -consumed[s], "skips"))
-        # A backward frees its saved tensors as it writes the sums, so they peak at one of its
-        # ends; a W frees its records only when done, so its sums add to them from its start.
+        # A first backward's sums count from its end (while it runs, bw_peak holds those made so
+        # far); a W frees its records only when done, so its sums add to them from its start.
         sums = (s, m // per_minibatch)
         if action.kind == "BW" or (action.kind == "B" and (s, m) in unsplit):
             first_grad[sums] = min(first_grad.get(sums, end), end)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from fastpipe.memory.accounting import PeakMeter
 from fastpipe.memory.model import StageBytes
+from fastpipe.memory.saved_bytes import Saved, storage_bytes, storages
 from fastpipe.model.side_inputs import run_layers
 from fastpipe.model.skips import SkipStore, has_skips
 from fastpipe.model.ties import split_tied
@@ -44,77 +44,6 @@ from fastpipe.step.microbatch import Value, replace_tensors, tensors_of
 from fastpipe.step.recompute_policy import Recompute
 
 __all__ = ["measure_stages"]
-
-
-class _Saved:
-    """The storages autograd holds through saved tensors, while it holds them."""
-
-    def __init__(self, skip: set[int]) -> None:
-        self.skip = skip  # parameter storages
-        self.alive: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
-        # Weak: a holder autograd let go of must die, so that ``alive`` drops its tensor then.
-        self.holders: list[weakref.ref[_Holder]] = []
-
-    def pack(self, t: Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.skip:
-            return t
-        holder = _Holder(t, self)
-        self.holders.append(weakref.ref(holder))
-        return holder
-
-    def release(self) -> None:
-        """Let go of every tensor held, once nothing will unpack them.
-
-        A tensor its own graph node saves (an output kept for the backward) and a holder form a
-        cycle through autograd's C++ graph that Python's collector cannot see: a graph part no
-        backward consumed (an integer input's path) would keep it, and its saved tensors, alive."""
-        for ref in self.holders:
-            holder = ref()
-            if holder is not None:
-                holder.tensor = None
-        self.holders.clear()
-
-    @staticmethod
-    def unpack(held: Any) -> Tensor:
-        if isinstance(held, _Holder):
-            assert held.tensor is not None, "a measured graph is unpacked after its measure ended"
-            return held.tensor
-        return cast(Tensor, held)
-
-    def alive_bytes(self) -> dict[int, int]:
-        return {ptr: entry[0] for ptr, entry in self.alive.items()}
-
-
-class _Holder:
-    __slots__ = ("tensor", "ptr", "owner", "__weakref__")
-
-    def __init__(self, tensor: Tensor, owner: _Saved) -> None:
-        self.tensor: Tensor | None = tensor
-        self.owner = owner
-        storage = tensor.untyped_storage()
-        self.ptr = storage.data_ptr()
-        entry = owner.alive.setdefault(self.ptr, [storage.nbytes(), 0])
-        entry[1] += 1
-
-    def __del__(self) -> None:
-        entry = self.owner.alive[self.ptr]
-        entry[1] -= 1
-        if not entry[1]:
-            del self.owner.alive[self.ptr]
-
-
-def _storages(tensors: Iterable[Tensor | None]) -> dict[int, int]:
-    found = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
-    return found
-
-
-def _bytes(found: Mapping[int, int], *without: Mapping[int, int]) -> int:
-    return sum(n for ptr, n in found.items() if ptr and not any(ptr in w for w in without))
 
 
 def _received(t: Tensor, grad: bool) -> Tensor:
@@ -175,7 +104,7 @@ def measure_stages(
     regions = recompute.regions(stages) if recompute is not None else [[] for _ in stages]
     copies = {id(t.copy()) for t in ties if t.is_parameter}
     side = dict(side_inputs or {})
-    outside = _storages([*_tensors(side), *_tensors(target)])  # the caller's, alive before and after
+    outside = storages([*_tensors(side), *_tensors(target)])  # the caller's, alive before and after
     run = _Run(
         value=replace_tensors(sample, [_received(t, t.requires_grad) for t in tensors_of(sample)]),
         pending={name: _received(t, True) for name, t in (skips or {}).items()},
@@ -194,7 +123,7 @@ def measure_stages(
             _arrive(run, stage)
             found = _measure_stage(stage, run, side, finish, outside, fusing, transients, regions[s], split)
             params = [p for p in stage.parameters() if p.requires_grad]
-            optimized = found.trainable - _bytes(_storages(p for p in params if id(p) in copies))
+            optimized = found.trainable - storage_bytes(storages(p for p in params if id(p) in copies))
             measured.append(dataclasses.replace(found, optimized=optimized))
     return measured
 
@@ -263,45 +192,49 @@ def _measure_stage(
     (fused_wgrad, fuse_min), params = fusing, [p for p in stage.parameters() if p.requires_grad]
     linears = fusable_linears(stage, params) if fused_wgrad else []
     early = stage_early(params, [i for i, p in enumerate(params) if fused_wgrad and p.dim() <= 1], regions)
-    fixed = {**outside, **_storages([*stage.parameters(), *stage.buffers()])}
+    fixed = {**outside, **storages([*stage.parameters(), *stage.buffers()])}
     inputs = tensors_of(run.value)
     device, summing = inputs[0].device, summing_linears(linears, fuse_min)
-    combined, first = (
-        _combined_transient(stage, run, side, finish, params, summing, regions, device) if transients else (0, 0)
+    combined, first, first_peak = (
+        _combined_transient(stage, run, side, finish, params, summing, regions, device) if transients else (0, 0, 0)
     )
-    saved = _Saved(set(fixed))
+    saved = Saved(set(fixed))
     records = Deferred()
     with accumulating_linears(linears, records), checkpointed(regions), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), _peak(device, transients) as forward:
             ran = _forward(stage, run, side, finish)
-        seen = _storages(inputs)
-        apart = [seen, fixed, _storages([*ran.skips_in, *ran.skips_out])]  # input, parameters, skips
-        activation = _bytes({**saved.alive_bytes(), **_storages(tensors_of(ran.out))}, *apart)
+        seen = storages(inputs)
+        apart = [seen, fixed, storages([*ran.skips_in, *ran.skips_out])]  # input, parameters, skips
+        activation = storage_bytes({**saved.alive_bytes(), **storages(tensors_of(ran.out))}, *apart)
         if forward is not None:  # see the module doc: what torch.utils.checkpoint keeps
-            activation = max(activation, forward.result.end - _bytes(_storages(ran.skips_out), seen, fixed))
+            activation = max(activation, forward.result.end - storage_bytes(storages(ran.skips_out), seen, fixed))
         roots = ran.roots()
         leaves = [t for t in [*inputs, *ran.skips_in] if t.requires_grad]
         meter, work = None, None
         if split:  # B's records for W: a step without W never holds them, so neither does its measure
+            # The gradient B starts from exists before it, as a received one does (the model counts
+            # it on the stage after); a loss's is a scalar.
+            grads = [torch.ones_like(t) for t in roots]
             with _peak(device, transients) as meter:
-                _, work = backward_inputs(
-                    roots, [torch.ones_like(t) for t in roots], leaves, params, early=early, records=records
-                )
-    deferred = _storages(t for r in records.records for t in r[2:])
-    kept = {**saved.alive_bytes(), **_storages(work.keep), **_storages(g for _, g in work.early)} if work else {}
+                _, work = backward_inputs(roots, grads, leaves, params, early=early, records=records)
+            del grads
+    deferred = storages(t for r in records.records for t in r[2:])
+    kept = {**saved.alive_bytes(), **storages(work.keep), **storages(g for _, g in work.early)} if work else {}
     result = StageBytes(
-        parameters=_bytes(_storages(stage.parameters())),
+        parameters=storage_bytes(storages(stage.parameters())),
         activation=activation,
-        input=_bytes(seen),
-        w_records=_bytes(deferred, *apart),
-        w_kept=_bytes(kept, deferred, *apart),
-        gradients=_bytes(_storages(params)),
+        input=storage_bytes(seen),
+        w_records=storage_bytes(deferred, *apart),
+        w_kept=storage_bytes(kept, deferred, *apart),
+        gradients=storage_bytes(storages(params)),
         f_transient=0 if forward is None else _above(forward),
-        b_transient=0 if meter is None else _above(meter),
+        b_transient=0 if meter is None else _over_start(meter),
         bw_transient=combined,
         bw_first=first,
-        w_stacked=max((_bytes(_storages(r[2:])) for r in records.records), default=0),
+        bw_peak=first_peak,
+        w_stacked=max((storage_bytes(storages(r[2:])) for r in records.records), default=0),
         w_gemms=_gemms(records.records),
+        w_input=storage_bytes({p: n for p, n in deferred.items() if p in seen}),
     )
     # As the step runs W: a checkpointed region W reaches first replays its forward, which must
     # save what the forward saved (the same Linear patch), or torch.utils.checkpoint refuses it.
@@ -340,6 +273,16 @@ def _above(meter: PeakMeter) -> int:
     return max(0, meter.result.peak - max(0, meter.result.end))
 
 
+def _over_start(meter: PeakMeter) -> int:
+    """What a backward held at its peak above its start.
+
+    Not above its end as well: a backward ends holding the gradient of its input while the
+    saved tensors it freed may be fewer bytes, and the model applies those ends only at the
+    action's end, so a transient measured above the end would lose that difference.
+    """
+    return max(0, meter.result.peak)
+
+
 def _combined_transient(
     stage: nn.Module,
     run: _Run,
@@ -349,12 +292,14 @@ def _combined_transient(
     linears: list[nn.Linear],
     regions: Sequence[nn.Module],
     device: torch.device,
-) -> tuple[int, int]:
-    """:attr:`StageBytes.bw_transient` and :attr:`~StageBytes.bw_first`: a backward into ``.grad`` sums that exist,
-    as every ``BW`` but a first runs, and the first one.
+) -> tuple[int, int, int]:
+    """:attr:`StageBytes.bw_transient`, :attr:`~StageBytes.bw_first` and :attr:`~StageBytes.bw_peak`: a backward
+    into ``.grad`` sums that exist, as every ``BW`` but a first runs, and the first one.
 
     A first backward allocates the sums as it goes; the model counts them from its end, plus what
-    it held above its end (the gradient in flight into its first layers, once all sums are made).
+    it held above its end (the gradient in flight into its first layers, once all sums are made),
+    and while it runs, its peak above its start: the last layers' sums are made first, while the
+    saved tensors of the layers before are still alive.
     """
     before = [p.grad for p in params]
     leaves = [t for t in [*tensors_of(run.value), *run.pending.values()] if t.requires_grad]
@@ -367,15 +312,18 @@ def _combined_transient(
                 roots = _forward(stage, run, side, finish).roots()
                 grads = [torch.ones_like(t) for t in roots]
                 if not roots or not (leaves or params):
-                    return 0, 0
+                    return 0, 0, 0
                 with _peak(device, True) as meter:
                     torch.autograd.backward(roots, grads, inputs=[*leaves, *params])
                 assert meter is not None
-                # The first one's above its own end, which holds the sums it made.
-                above.append(_above(meter) if above else meter.result.peak - meter.result.end)
+                if not above:  # the first one's above its own end, which holds the sums it made
+                    first_peak = _over_start(meter)
+                    above.append(meter.result.peak - meter.result.end)
+                else:
+                    above.append(_over_start(meter))
                 for t in leaves:
                     t.grad = None
-            return above[1], above[0]
+            return above[1], above[0], first_peak
     finally:
         for p, g in zip(params, before):
             p.grad = g
