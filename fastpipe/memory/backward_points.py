@@ -1,10 +1,12 @@
 """When a backward's gradients live: the rules :func:`fastpipe.memory.model.predict_memory` adds to its timeline.
 
 * The combined backward (``BW``, or a ``B`` the runtime runs as one) that ends first in a stage's
-  mini-batch makes its gradient sums, unless a ``W`` that runs deferred GEMMs starts before: as it
-  ends they are all there while the gradient into its first layers is still in flight
-  (:attr:`StageBytes.bw_first <fastpipe.memory.model.StageBytes.bw_first>`) and the step still
-  holds the stage's output.
+  mini-batch makes its gradient sums, unless a ``W`` that runs deferred GEMMs starts before: while it
+  runs it holds its measured peak (:attr:`StageBytes.bw_peak <fastpipe.memory.model.StageBytes.bw_peak>`),
+  the last layers' sums made while the earlier layers' saved tensors are alive. Where that was not
+  measured, its end stands for it: the sums are all there while the gradient into its first layers
+  is still in flight (:attr:`StageBytes.bw_first <fastpipe.memory.model.StageBytes.bw_first>`) and
+  the step still holds the stage's output.
 * A ``W`` that runs several micro-batches' records stacks each deferred Linear's into one copy for
   one GEMM, a Linear at a time (:mod:`fastpipe.runtime.wgrad`). Into sums that exist it holds the
   largest copy; where it makes the sums, a Linear's copy is freed before the sums of the Linears

@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from fastpipe.balance._untouched import state_kept
 from fastpipe.memory.model import DeviceMemory, OptimizerSpec, StageBytes, predict_memory
 from fastpipe.memory.sizes import format_bytes, parse_bytes
 from fastpipe.memory.stage_bytes import measure_stages
+from fastpipe.model.skip_memory import measure_skips, stage_skip_edges
+from fastpipe.model.skips import has_skips
 from fastpipe.runtime.options import RuntimeOptions
 from fastpipe.schedule.ir import Schedule
 from fastpipe.step.recompute_policy import Recompute, stage_mode
@@ -72,6 +75,7 @@ class MemoryGuard:
         #: What the pipe's offload takes off each device (:mod:`fastpipe.memory.offload`), or None.
         self.offload: OffloadBytes | None = None
         self._measured: dict[tuple[Any, ...], list[StageBytes]] = {}  # a step's stages do not depend on its schedule
+        self._skips: dict[Any, list[tuple[int, int, float]]] = {}  # per sample shape: the skips between stages
 
     def predict(
         self,
@@ -122,6 +126,11 @@ class MemoryGuard:
                 wgrad_fuse_min=self.options.wgrad_fuse_min,
             )
             self._measured[measured] = stages
+            skips = self._skips.get(key[3])
+            if skips is None:  # a skip between stages is held apart from both (fastpipe.model.skip_memory)
+                with state_kept(module, None):
+                    spans = measure_skips(module, sample) if has_skips(module) else []
+                skips = self._skips[key[3]] = [(a, b, float(n)) for a, b, n in stage_skip_edges(spans, balance)]
             if self.offload is not None:
                 stages = self.offload.stage_bytes(stages, sample, target, loss_fn)
             input_grad = isinstance(sample, Tensor) and sample.requires_grad
@@ -132,6 +141,7 @@ class MemoryGuard:
                 optimizer=self.optimizer,
                 wgrad_batch=wgrad_batch,
                 input_grad=input_grad,
+                skips=skips,
             )
             self.predicted[key] = devices
         return devices

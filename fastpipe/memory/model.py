@@ -34,7 +34,9 @@ optimizer        always: the state of the parameters the optimizer steps (tie co
 activations      the inputs, activations and recomputed activations above
 w_records        ``w_kept`` and ``w_records`` above
 skips            a cross-stage skip on its producer until the producer's backward, and on its
-                 consumer until the consumer's backward (its ``W`` when split: the task keeps it)
+                 consumer until the consumer's backward (its ``W`` when split: the task keeps it);
+                 where both stages share a device, one tensor from the stash until both let go,
+                 and its gradient from the consumer's backward to the producer's
 input_grads      the gradient of the pipe's input (``input_grad``), kept for the caller from the
                  first stage's backward to the end of the step
 weight_versions  asynchronous ``fit``: the most weight copies a policy holds at once
@@ -201,11 +203,15 @@ def predict_memory(
         inputs[0] = 0
     produced = {s: 0 for s in range(n)}
     consumed = {s: 0 for s in range(n)}
+    local: list[tuple[int, int, int]] = []
     for producer, consumer, nbytes in skips:
         if not (0 <= producer < consumer < n) or nbytes < 0:
             raise ValueError(
                 f"fastpipe: skip {(producer, consumer, nbytes)} is not (producer < consumer < {n}, bytes >= 0)"
             )
+        if schedule.worker_of(producer) == schedule.worker_of(consumer):
+            local.append((producer, consumer, int(nbytes)))  # one tensor on their one device
+            continue
         produced[producer] += int(nbytes)
         consumed[consumer] += int(nbytes)
 
@@ -248,7 +254,8 @@ def predict_memory(
         elif action.kind in ("B", "BW"):
             split = (s, m) in release
             if action in makes_sums:  # as it ends: the sums, its last gradient in flight, its output (held till return)
-                tail = st.bw_first + (stages[s + 1].input if s + 1 < n else 0)  # the output: the next stage's input
+                # Measured whole (bw_peak), its peak needs no estimate from its end.
+                tail = 0 if st.bw_peak else st.bw_first + (stages[s + 1].input if s + 1 < n else 0)
                 end, tail_end = math.nextafter(end, -math.inf), end
                 points[w].extend([(end, tail, "activations"), (tail_end, -tail, "activations")])
             in_flight = st.b_transient if split else st.bw_transient
@@ -290,6 +297,15 @@ def predict_memory(
             stacked = stacked_bytes(st.w_stacked, st.w_gemms, writes[action], action in makes_sums)
             add((start, stacked, "w_records"))
             add((end, -stacked, "w_records"))
+    for producer, consumer, nbytes in local:  # from the stash to whichever of the two lets go last
+        for m in range(schedule.num_microbatches):
+            _, stashed, _ = when(Action("F", producer, m))
+            ends = [_backward_end(timed, producer, m), _backward_end(timed, consumer, m)]
+            if (consumer, m) in release:
+                ends.append(when(Action("W", consumer, m))[2])
+            points[schedule.worker_of(producer)].extend([(stashed, nbytes, "skips"), (max(ends), -nbytes, "skips")])
+            if ends[1] < ends[0]:  # the skip's gradient waits from the consumer's backward to the producer's
+                points[schedule.worker_of(producer)].extend([(ends[1], nbytes, "skips"), (ends[0], -nbytes, "skips")])
     for (stage, minibatch), at in first_grad.items():
         trainable, add = float(stages[stage].trainable), points[schedule.worker_of(stage)].append
         add((at, trainable, "gradients"))
@@ -323,6 +339,12 @@ def predict_memory(
             )
         )
     return devices
+
+
+def _backward_end(times: Mapping[Action, tuple[int, float, float]], stage: int, microbatch: int) -> float:
+    """When the backward (``B`` or ``BW``) of ``(stage, microbatch)`` ends."""
+    action = Action("B", stage, microbatch)
+    return times[action if action in times else Action("BW", stage, microbatch)][2]
 
 
 def _per_stage(value: int | Sequence[int], n: int, name: str) -> list[int]:

@@ -247,6 +247,16 @@ def test_a_split_consumer_keeps_its_skip_until_its_w() -> None:
     assert split[1].skips > combined[1].skips == 100
 
 
+def test_a_skip_within_one_device_is_one_tensor_held_until_both_stages_let_go() -> None:
+    # zb-v on one worker, 2 micro-batches: F0s0 F0s1 B0s1 W0s1 F1s0 B0s0 ... The stash is one tensor
+    # from F(0) to the later of B(0) and W(1), not a copy on each stage; its gradient waits from
+    # B(1) to B(0). While B0s0 runs: both stashes and micro-batch 0's gradient.
+    (device,) = predict_memory(build("zb-v", 1, 2), [_stage()] * 2, skips=[(0, 1, 100)], input_grad=True)
+    assert device.skips == 300
+    apart = predict_memory(build("zb-v", 2, 1), [_stage()] * 4, skips=[(0, 1, 100)], input_grad=True)
+    assert [d.skips for d in apart] == [100, 100]  # across devices each holds its own
+
+
 @pytest.mark.parametrize(
     ("spec", "factor"),
     [(None, 0.0), ("none", 0.0), ("sgd", 0.0), ("momentum", 1.0), ("Adam", 2.0), ("adamw", 2.0), (1.5, 1.5)],
