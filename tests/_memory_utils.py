@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from fastpipe import DistributedPipe
+    from fastpipe import DistributedPipe, Pipe
     from fastpipe.memory.accounting import PeakMemory
     from fastpipe.memory.model import DeviceMemory
 
@@ -131,18 +131,22 @@ def refuse_the_bare_prediction(
 
 
 def metered_after_a_first_step(
-    pipe: DistributedPipe, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    pipe: DistributedPipe | Pipe, opt: torch.optim.Optimizer | None, x: torch.Tensor, y: torch.Tensor
 ) -> PeakMemory:
     """The bytes of this rank's second training step, counted by the CPU counter.
 
     The first step, with ``opt``'s, builds what later steps reuse (receive buffers, the optimizer's
-    state), so the counted step shows what every step after it holds.
+    state), so the counted step shows what every step after it holds. Without ``opt`` the first
+    step's gradients are dropped.
     """
     from fastpipe.memory.accounting import PeakMeter
 
     pipe.train_step(x, y, ProductLoss())
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    else:
+        pipe.zero_grad(set_to_none=True)
     gc.collect()
     with PeakMeter("cpu") as meter:
         pipe.train_step(x, y, ProductLoss())

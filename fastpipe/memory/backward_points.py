@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from fastpipe.schedule.ir import Action
 
-__all__ = ["check_stage_bytes", "first_sums", "sent_gradient", "stacked_bytes"]
+__all__ = ["backward_of", "check_stage_bytes", "first_sums", "sent_gradient", "stacked_bytes"]
 
 Times = Mapping[Action, tuple[int, float, float]]
 
@@ -93,6 +93,11 @@ def sent_gradient(times: Times, stage: int, microbatch: int) -> tuple[int, float
     Raises:
         KeyError: the stage before has no backward of that micro-batch in ``times``.
     """
-    before = Action("B", stage - 1, microbatch)
-    worker, _, end = times[before if before in times else Action("BW", stage - 1, microbatch)]
+    worker, _, end = times[backward_of(times, stage - 1, microbatch)]
     return worker, end
+
+
+def backward_of(times: Times, stage: int, microbatch: int) -> Action:
+    """The backward of ``(stage, microbatch)`` in ``times``: its ``B``, else its ``BW``."""
+    split = Action("B", stage, microbatch)
+    return split if split in times else Action("BW", stage, microbatch)

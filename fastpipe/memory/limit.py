@@ -128,8 +128,10 @@ class MemoryGuard:
             self._measured[measured] = stages
             skips = self._skips.get(key[3])
             if skips is None:  # a skip between stages is held apart from both (fastpipe.model.skip_memory)
-                with state_kept(module, None):
-                    spans = measure_skips(module, sample) if has_skips(module) else []
+                spans = []
+                if has_skips(module):
+                    with state_kept(module, None):
+                        spans = measure_skips(module, sample)
                 skips = self._skips[key[3]] = [(a, b, float(n)) for a, b, n in stage_skip_edges(spans, balance)]
             if self.offload is not None:
                 stages = self.offload.stage_bytes(stages, sample, target, loss_fn)

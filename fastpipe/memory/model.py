@@ -71,7 +71,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from fastpipe.memory.backward_points import first_sums, sent_gradient, stacked_bytes
+from fastpipe.memory.backward_points import backward_of, first_sums, sent_gradient, stacked_bytes
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
@@ -300,7 +300,7 @@ def predict_memory(
     for producer, consumer, nbytes in local:  # from the stash to whichever of the two lets go last
         for m in range(schedule.num_microbatches):
             _, stashed, _ = when(Action("F", producer, m))
-            ends = [_backward_end(timed, producer, m), _backward_end(timed, consumer, m)]
+            ends = [when(backward_of(timed, producer, m))[2], when(backward_of(timed, consumer, m))[2]]
             if (consumer, m) in release:
                 ends.append(when(Action("W", consumer, m))[2])
             points[schedule.worker_of(producer)].extend([(stashed, nbytes, "skips"), (max(ends), -nbytes, "skips")])
@@ -339,12 +339,6 @@ def predict_memory(
             )
         )
     return devices
-
-
-def _backward_end(times: Mapping[Action, tuple[int, float, float]], stage: int, microbatch: int) -> float:
-    """When the backward (``B`` or ``BW``) of ``(stage, microbatch)`` ends."""
-    action = Action("B", stage, microbatch)
-    return times[action if action in times else Action("BW", stage, microbatch)][2]
 
 
 def _per_stage(value: int | Sequence[int], n: int, name: str) -> list[int]:
