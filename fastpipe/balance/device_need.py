@@ -42,6 +42,7 @@ __all__ = ["StageNeed", "compose", "layer_bytes"]
 # A first backward's bytes above its end (bw_first) too: while layer i's backward runs, the sums of
 # the layers before it, which its end holds, are not made yet, so the stage is at most layer i's
 # above its end.
+_UNSHARED = ("output_stashed", "skip_grads_shared")
 _LARGEST = frozenset({"f_transient", "b_transient", "bw_transient", "w_stacked", "bw_first"})
 
 
@@ -61,7 +62,8 @@ def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSp
     part = layers[a:b]
     values: dict[str, int] = {}
     for f in dataclasses.fields(StageBytes):
-        if f.name in ("input", "gradients", "optimized", "w_gemms", "w_input", "bw_peak"):
+        # Which skips stay inside the stage is not known per layer: their sharing is left out (more bytes).
+        if f.name in ("input", "gradients", "optimized", "w_gemms", "w_input", "bw_peak", *_UNSHARED):
             continue
         numbers = [getattr(st, f.name) for st in part]
         values[f.name] = max(numbers) if f.name in _LARGEST else sum(numbers)

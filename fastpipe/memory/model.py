@@ -34,7 +34,8 @@ optimizer        always: the state of the parameters the optimizer steps (tie co
 activations      the inputs, activations and recomputed activations above
 w_records        ``w_kept`` and ``w_records`` above
 skips            a cross-stage skip on its producer until the producer's backward, and on its
-                 consumer until the consumer's backward (its ``W`` when split: the task keeps it);
+                 consumer until the consumer's backward (each one's ``W`` when split: ``W`` keeps
+                 what ``B`` ran from and on);
                  where both stages share a device, one tensor from the stash until both let go,
                  and its gradient from the consumer's backward to the producer's
 input_grads      the gradient of the pipe's input (``input_grad``), kept for the caller from the
@@ -71,7 +72,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from fastpipe.memory.backward_points import backward_of, first_sums, sent_gradient, stacked_bytes
+from fastpipe.memory.backward_points import first_sums, sent_gradient, stacked_bytes
+from fastpipe.memory.local_skips import local_skips
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
@@ -227,12 +229,17 @@ def predict_memory(
     updated: dict[tuple[int, int], float] = {}  # and when its U ends, which frees them
     writes = collections.Counter(release.values())  # the Ws that run deferred GEMMs, and for how many
     makes_sums = first_sums(timed, unsplit, writes, per_minibatch)
+    redone = [recompute is not None and recompute[m % per_minibatch] for m in range(schedule.num_microbatches)]
+    try:
+        stashed_in, skip_points = local_skips(schedule, timed, stages, local, release, redone.__getitem__)
+    except KeyError as e:
+        raise ScheduleError(f"times has no entry for {e}; simulate the schedule it came with") from None
     for action, (w, start, end) in timed.items():
         s, m = action.stage, action.microbatch
         st, add = stages[s], points[w].append
-        redo = recompute is not None and recompute[m % per_minibatch]
+        redo = redone[m]
         shared = s > 0 and not redo and schedule.worker_of(s - 1) == w  # its input: the output the stage before keeps
-        held_in = 0 if shared else inputs[s]
+        held_in = 0 if shared else max(0, inputs[s] - stashed_in[s])  # a skip may hold it (local_skips)
         kept = 0 if redo else st.activation
         off = min(st.offloaded, kept) if (s, m) in schedule.prefetched else 0
         if action.kind == "F":
@@ -267,7 +274,7 @@ def predict_memory(
             add((end, -kept - (0 if split else held_in), "activations"))
             if s == 0 and input_grad:
                 add((end, st.input, "input_grads"))
-            add((end, -produced[s] - (0 if split else consumed[s]), "skips"))
+            add((end, 0 if split else -produced[s] - consumed[s], "skips"))
             if s > 0 and schedule.worker_of(s - 1) == w:  # across devices, the receive buffer holds it
                 upstream, upstream_end = sent_gradient(timed, s, m)
                 points[upstream].extend([(end, st.input, "activations"), (upstream_end, -st.input, "activations")])
@@ -286,7 +293,7 @@ def predict_memory(
                 recorded = min(st.w_input, held_in)  # the input a deferred Linear's record holds
                 add((w_end, recorded - held_in, "activations"))
                 add((batch_end, -recorded, "activations"))
-                add((w_end, -consumed[s], "skips"))
+                add((w_end, -produced[s] - consumed[s], "skips"))  # W keeps B's outputs, stashed ones too
         # A first backward's sums count from its end (while it runs, bw_peak holds those made so
         # far); a W frees its records only when done, so its sums add to them from its start.
         sums = (s, m // per_minibatch)
@@ -297,15 +304,8 @@ def predict_memory(
             stacked = stacked_bytes(st.w_stacked, st.w_gemms, writes[action], action in makes_sums)
             add((start, stacked, "w_records"))
             add((end, -stacked, "w_records"))
-    for producer, consumer, nbytes in local:  # from the stash to whichever of the two lets go last
-        for m in range(schedule.num_microbatches):
-            _, stashed, _ = when(Action("F", producer, m))
-            ends = [when(backward_of(timed, producer, m))[2], when(backward_of(timed, consumer, m))[2]]
-            if (consumer, m) in release:
-                ends.append(when(Action("W", consumer, m))[2])
-            points[schedule.worker_of(producer)].extend([(stashed, nbytes, "skips"), (max(ends), -nbytes, "skips")])
-            if ends[1] < ends[0]:  # the skip's gradient waits from the consumer's backward to the producer's
-                points[schedule.worker_of(producer)].extend([(ends[1], nbytes, "skips"), (ends[0], -nbytes, "skips")])
+    for w, at, nbytes in skip_points:
+        points[w].append((at, nbytes, "skips"))
     for (stage, minibatch), at in first_grad.items():
         trainable, add = float(stages[stage].trainable), points[schedule.worker_of(stage)].append
         add((at, trainable, "gradients"))

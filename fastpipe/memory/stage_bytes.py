@@ -205,19 +205,23 @@ def _measure_stage(
             ran = _forward(stage, run, side, finish)
         seen = storages(inputs)
         apart = [seen, fixed, storages([*ran.skips_in, *ran.skips_out])]  # input, parameters, skips
-        activation = storage_bytes({**saved.alive_bytes(), **storages(tensors_of(ran.out))}, *apart)
+        out = storages(tensors_of(ran.out))
+        activation = storage_bytes({**saved.alive_bytes(), **out}, *apart)
         if forward is not None:  # see the module doc: what torch.utils.checkpoint keeps
             activation = max(activation, forward.result.end - storage_bytes(storages(ran.skips_out), seen, fixed))
         roots = ran.roots()
         leaves = [t for t in [*inputs, *ran.skips_in] if t.requires_grad]
-        meter, work = None, None
+        meter, work, shared_grads = None, None, 0
         if split:  # B's records for W: a step without W never holds them, so neither does its measure
             # The gradient B starts from exists before it, as a received one does (the model counts
             # it on the stage after); a loss's is a scalar.
             grads = [torch.ones_like(t) for t in roots]
             with _peak(device, transients) as meter:
-                _, work = backward_inputs(roots, grads, leaves, params, early=early, records=records)
-            del grads
+                got, work = backward_inputs(roots, grads, leaves, params, early=early, records=records)
+            given = sum(t.requires_grad for t in inputs)  # leaves: the inputs that need a gradient, then skips
+            to_skips = storages(got[given:])
+            shared_grads = storage_bytes(to_skips) - storage_bytes(to_skips, storages(got[:given]))
+            del grads, got
     deferred = storages(t for r in records.records for t in r[2:])
     kept = {**saved.alive_bytes(), **storages(work.keep), **storages(g for _, g in work.early)} if work else {}
     result = StageBytes(
@@ -235,6 +239,8 @@ def _measure_stage(
         w_stacked=max((storage_bytes(storages(r[2:])) for r in records.records), default=0),
         w_gemms=_gemms(records.records),
         w_input=storage_bytes({p: n for p, n in deferred.items() if p in seen}),
+        output_stashed=storage_bytes(out) - storage_bytes(out, storages(ran.skips_out)),
+        skip_grads_shared=shared_grads,
     )
     # As the step runs W: a checkpointed region W reaches first replays its forward, which must
     # save what the forward saved (the same Linear patch), or torch.utils.checkpoint refuses it.

@@ -47,6 +47,10 @@ class StageBytes:
             the sums it has made by then included (without recompute: a replay adds ``activation``).
         w_gemms: per deferred Linear, in the order ``W`` runs them, ``(record, sums)``: one
             micro-batch's record bytes and the bytes of the sums its GEMM makes; empty: unknown.
+        output_stashed: what of the stage's output it also stashes as a skip: under recompute the
+            next stage's input on the same device is then that skip, held once.
+        skip_grads_shared: what of the gradients a split ``B`` gives the skips the stage pops is
+            the storage of its input's gradient (an add hands one tensor to both inputs).
     """
 
     parameters: int
@@ -65,6 +69,8 @@ class StageBytes:
     w_gemms: tuple[tuple[int, int], ...] = ()
     w_input: int = 0
     bw_peak: int = 0
+    output_stashed: int = 0
+    skip_grads_shared: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
