@@ -42,7 +42,7 @@ __all__ = ["StageNeed", "compose", "layer_bytes"]
 # A first backward's bytes above its end (bw_first) too: while layer i's backward runs, the sums of
 # the layers before it, which its end holds, are not made yet, so the stage is at most layer i's
 # above its end.
-_UNSHARED = ("output_stashed", "skip_grads_shared")
+_UNSHARED = ("output_stashed", "skip_grads_shared", "tie_grads")
 _LARGEST = frozenset({"f_transient", "b_transient", "bw_transient", "w_stacked", "bw_first"})
 
 
@@ -60,9 +60,10 @@ def layer_bytes(module: nn.Sequential, microbatch: Value, side_inputs: Mapping[s
 def compose(layers: Sequence[StageBytes], a: int, b: int, spans: Sequence[SkipSpan] = ()) -> StageBytes:
     """The bytes of a stage of layers ``a:b`` from theirs, with the skips that cross its bounds (see the module)."""
     part = layers[a:b]
-    values: dict[str, int] = {}
+    values: dict[str, Any] = {}  # the int fields
     for f in dataclasses.fields(StageBytes):
-        # Which skips stay inside the stage is not known per layer: their sharing is left out (more bytes).
+        # Which skips and ties stay inside the stage is not known per layer: skips' sharing is left
+        # out (more bytes), and so is a tie's copy at the step's end (the pipe's guard measures it).
         if f.name in ("input", "gradients", "optimized", "w_gemms", "w_input", "bw_peak", *_UNSHARED):
             continue
         numbers = [getattr(st, f.name) for st in part]

@@ -74,16 +74,17 @@ def check_stage_bytes(name: str, value: object) -> None:
 
     Raises:
         ValueError: not a whole number of bytes >= 0 (None allowed for ``gradients`` and
-            ``optimized``; ``w_gemms``: a tuple of ``(record, sums)`` pairs of them), named.
+            ``optimized``; ``w_gemms`` and ``tie_grads``: a tuple of pairs of them), named.
     """
     if value is None and name in ("gradients", "optimized"):
         return
     numbers: list[object] = [value]
-    if name == "w_gemms":
+    paired = {"w_gemms": "(record, sums) pairs of bytes", "tie_grads": "(reader stage, bytes) pairs"}
+    if name in paired:
         pairs = [p for p in value if isinstance(p, tuple) and len(p) == 2] if isinstance(value, tuple) else []
         numbers = [b for p in pairs for b in p] if isinstance(value, tuple) and len(pairs) == len(value) else [None]
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in numbers):
-        what = "a tuple of (record, sums) pairs of bytes" if name == "w_gemms" else "a whole number of bytes"
+        what = f"a tuple of {paired[name]}" if name in paired else "a whole number of bytes"
         raise ValueError(f"fastpipe: StageBytes.{name} must be {what} >= 0, got {value!r}")
 
 

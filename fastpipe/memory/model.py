@@ -27,7 +27,9 @@ gradients        each stage's running sums, to the end of the step, from the end
                  layers before are alive: while it runs it holds its measured peak, ``bw_peak``,
                  sums made so far included) or from the start of its first ``W``
                  that runs deferred GEMMs (which frees the records it reads only when done); in a
-                 stream of mini-batches, one sum per mini-batch, to the end of its update ``U``
+                 stream of mini-batches, one sum per mini-batch, to the end of its update ``U``;
+                 at the step's end, a tied parameter's gradient copied from another device
+                 (``tie_grads``) while it is added into the owner's
 optimizer        always: the state of the parameters the optimizer steps (tie copies excluded),
                  :func:`optimizer_factor` times their bytes; while a ``U`` runs, also the
                  temporaries of its optimizer step (``update_transient``)
@@ -311,6 +313,11 @@ def predict_memory(
         add((at, trainable, "gradients"))
         if (stage, minibatch) in updated:
             add((updated[(stage, minibatch)], -trainable, "gradients"))
+    finish = max((end for _, _, end in timed.values()), default=0.0)
+    for s, st in enumerate(stages):  # ties are folded one at a time, each through a copy from another device
+        w = schedule.worker_of(s)
+        moved = max((b for r, b in st.tie_grads if schedule.worker_of(r) != w), default=0)
+        points[w].extend([(finish, moved, "gradients"), (math.nextafter(finish, math.inf), -moved, "gradients")])
 
     if sharded is not None:
         points = [p + q for p, q in zip(points, shard_points(schedule, timed, sharded))]

@@ -103,6 +103,10 @@ def measure_stages(
     stages, ties = split_tied(module, balance)
     regions = recompute.regions(stages) if recompute is not None else [[] for _ in stages]
     copies = {id(t.copy()) for t in ties if t.is_parameter}
+    tie_grads: dict[int, list[tuple[int, int]]] = {}  # per owner stage: (reader stage, bytes) of its ties
+    for t in ties:
+        if t.is_parameter and t.copy().requires_grad:
+            tie_grads.setdefault(t.owner_stage, []).append((t.reader_stage, storage_bytes(storages([t.copy()]))))
     side = dict(side_inputs or {})
     outside = storages([*_tensors(side), *_tensors(target)])  # the caller's, alive before and after
     run = _Run(
@@ -124,7 +128,7 @@ def measure_stages(
             found = _measure_stage(stage, run, side, finish, outside, fusing, transients, regions[s], split)
             params = [p for p in stage.parameters() if p.requires_grad]
             optimized = found.trainable - storage_bytes(storages(p for p in params if id(p) in copies))
-            measured.append(dataclasses.replace(found, optimized=optimized))
+            measured.append(dataclasses.replace(found, optimized=optimized, tie_grads=tuple(tie_grads.get(s, ()))))
     return measured
 
 

@@ -51,6 +51,9 @@ class StageBytes:
             next stage's input on the same device is then that skip, held once.
         skip_grads_shared: what of the gradients a split ``B`` gives the skips the stage pops is
             the storage of its input's gradient (an add hands one tensor to both inputs).
+        tie_grads: per tied parameter the stage owns and a later stage reads a copy of,
+            ``(reader stage, bytes)``: at the step's end the reader's gradient is added into the
+            owner's, through a copy on the owner's device where the reader is on another.
     """
 
     parameters: int
@@ -71,6 +74,7 @@ class StageBytes:
     bw_peak: int = 0
     output_stashed: int = 0
     skip_grads_shared: int = 0
+    tie_grads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -171,7 +171,10 @@ class TiedWeights:
             grads[reader_stage][reader] = None
             mine = grads[owner_stage][owner]
             g = g.to(self._params[owner_stage][owner].device)
-            grads[owner_stage][owner] = g if mine is None else mine + g
+            if mine is None or not mine.is_contiguous():  # an expanded gradient cannot take a sum in place
+                grads[owner_stage][owner] = g if mine is None else mine + g
+            else:  # the step's own sum: in place, or the step's end would hold a third copy of the tensor
+                mine.add_(g)
         return grads
 
 
