@@ -198,7 +198,7 @@ def fit_devices(
     schedule = build_multistep(len(stages), microbatches, minibatches, flush=consistency == "sync", workers=k)
     if prefetch is not None:
         schedule = prefetch(schedule)
-    kept = receive_buffer_bytes(schedule, stages, transport)
+    kept = receive_buffer_bytes(schedule, stages, transport, skips)
     extra = [window_bytes] * len(stages) if isinstance(window_bytes, int) else list(window_bytes)
     if len(extra) != len(stages):
         raise ValueError(f"fastpipe: window_bytes must be one int or {len(stages)} of them; got {window_bytes!r}")
@@ -209,6 +209,7 @@ def fit_devices(
         checkpoint=checkpoint,
         optimizer=optimizer,
         skips=skips,
+        skip_buffers=transport == "tags",
         first_input=first_input,
         weight_policy=consistency,
         receive_buffers=[a + b for a, b in zip(kept, extra)],

@@ -155,7 +155,8 @@ def check_rank_memory(pipe: DistributedPipe, step: RankStep, loss_fn: Callable[[
         def predict(mode: str, fractions: Sequence[float]) -> list[DeviceMemory]:
             schedule, held = offloaded(step.schedule, stages, told, fractions, pipe._offload.lookahead)
             return predict_memory(schedule, buffered_stages(schedule, held, transport), checkpoint=mode,
-                                  receive_buffers=receive_buffer_bytes(schedule, held, transport),
+                                  receive_buffers=receive_buffer_bytes(schedule, held, transport, skips),
+                                  skip_buffers=transport == "tags",
                                   optimizer=guard.optimizer, skips=skips, wgrad_batch=wgrad_batch,
                                   input_grad=input_grad, sharded=sharded)  # fmt: skip
 

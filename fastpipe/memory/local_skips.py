@@ -23,7 +23,7 @@ from fastpipe.memory.backward_points import Times, backward_of, sent_gradient
 from fastpipe.memory.stage_parts import StageBytes
 from fastpipe.schedule.ir import Action, Schedule
 
-__all__ = ["local_skips"]
+__all__ = ["local_skips", "sent_skip_grads"]
 
 Point = tuple[int, float, float]  # (worker, time, bytes)
 
@@ -83,3 +83,18 @@ def local_skips(
             if nbytes > one:
                 points += [(w, ends[1], nbytes - one), (w, ends[0], one - nbytes)]
     return given, points
+
+
+def sent_skip_grads(schedule: Schedule, times: Times, crossing: Sequence[tuple[int, int, int]]) -> list[Point]:
+    """A skip's gradient from another device: on the producer's, from the consumer's backward to the producer's.
+
+    ``crossing``: ``(producer, consumer, bytes)`` of skips between devices whose gradients arrive
+    as tensors of their own (not into a transport's kept buffers).
+    """
+    points: list[Point] = []
+    for m in range(schedule.num_microbatches):
+        for p, c, nbytes in crossing:
+            sent, used = times[backward_of(times, c, m)][2], times[backward_of(times, p, m)][2]
+            if sent < used:
+                points += [(schedule.worker_of(p), sent, nbytes), (schedule.worker_of(p), used, -nbytes)]
+    return points

@@ -35,9 +35,10 @@ optimizer        always: the state of the parameters the optimizer steps (tie co
                  temporaries of its optimizer step (``update_transient``)
 activations      the inputs, activations and recomputed activations above
 w_records        ``w_kept`` and ``w_records`` above
-skips            a cross-stage skip on its producer until the producer's backward, and on its
+skips            a cross-stage skip on its producer until the producer's backward, on its
                  consumer until the consumer's backward (each one's ``W`` when split: ``W`` keeps
-                 what ``B`` ran from and on);
+                 what ``B`` ran from and on), and its gradient on the producer's device from the
+                 consumer's backward to the producer's (in receive buffers on gloo);
                  where both stages share a device, one tensor from the stash until both let go,
                  and its gradient from the consumer's backward to the producer's
 input_grads      the gradient of the pipe's input (``input_grad``), kept for the caller from the
@@ -75,7 +76,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from fastpipe.memory.backward_points import first_sums, sent_gradient, stacked_bytes
-from fastpipe.memory.local_skips import local_skips
+from fastpipe.memory.local_skips import local_skips, sent_skip_grads
 from fastpipe.memory.optimizer import OptimizerSpec, optimizer_factor
 from fastpipe.memory.sharded import ShardBytes, kept_bytes, shard_points
 from fastpipe.memory.sizes import format_bytes
@@ -156,6 +157,7 @@ def predict_memory(
     receive_buffers: int | Sequence[int] = 0,
     update_transient: int | Sequence[int] = 0,
     sharded: Sequence[ShardBytes] | None = None,
+    skip_buffers: bool = False,
 ) -> list[DeviceMemory]:
     """The predicted peak of every device (worker) of ``schedule`` over one step, by part.
 
@@ -183,6 +185,9 @@ def predict_memory(
             seen only where a ``U`` takes time in ``times``.
         sharded: per stage, its :class:`~fastpipe.memory.sharded.ShardBytes` where the stages are
             sharded over their replicas (``dp_shard="fsdp"``); ``stages`` are then measured whole.
+        skip_buffers: whether a skip from another device, and its gradient, arrive in receive
+            buffers the transport keeps (gloo's, counted in ``receive_buffers`` by
+            :func:`~fastpipe.memory.receive_buffers.receive_buffer_bytes`), not per action.
 
     Raises:
         ValueError: a list of the wrong length or a value out of range, named.
@@ -208,6 +213,7 @@ def predict_memory(
     produced = {s: 0 for s in range(n)}
     consumed = {s: 0 for s in range(n)}
     local: list[tuple[int, int, int]] = []
+    crossing: list[tuple[int, int, int]] = []  # their gradients wait on the producer's device, unless buffered
     for producer, consumer, nbytes in skips:
         if not (0 <= producer < consumer < n) or nbytes < 0:
             raise ValueError(
@@ -217,7 +223,9 @@ def predict_memory(
             local.append((producer, consumer, int(nbytes)))  # one tensor on their one device
             continue
         produced[producer] += int(nbytes)
-        consumed[consumer] += int(nbytes)
+        consumed[consumer] += 0 if skip_buffers else int(nbytes)  # else a view of its receive buffer
+        if not skip_buffers:
+            crossing.append((producer, consumer, int(nbytes)))
 
     def when(action: Action) -> tuple[int, float, float]:
         try:
@@ -234,6 +242,7 @@ def predict_memory(
     redone = [recompute is not None and recompute[m % per_minibatch] for m in range(schedule.num_microbatches)]
     try:
         stashed_in, skip_points = local_skips(schedule, timed, stages, local, release, redone.__getitem__)
+        skip_points += sent_skip_grads(schedule, timed, crossing)
     except KeyError as e:
         raise ScheduleError(f"times has no entry for {e}; simulate the schedule it came with") from None
     for action, (w, start, end) in timed.items():
@@ -252,6 +261,7 @@ def predict_memory(
             add((start, kept + st.f_transient, "activations"))
             add((end, -st.f_transient - off, "activations"))
             add((start, produced[s] + consumed[s], "skips"))
+            add((end, -produced[s] if redo else 0, "skips"))  # recomputed, the producer sends its stash and keeps none
             host[w].append((end, off, "offloaded"))
         elif action.kind == "P":
             add((start, off, "activations"))
@@ -271,6 +281,7 @@ def predict_memory(
             if action in makes_sums and not split:  # it makes the last layers' sums while the rest is alive
                 in_flight = max(in_flight, st.bw_peak)
             during = max(in_flight, st.f_transient) + st.activation if redo else in_flight  # replay, then backward
+            add((start, produced[s] if redo else 0, "skips"))  # the replay stashes again
             add((start, during, "activations"))
             add((end, -during, "activations"))
             add((end, -kept - (0 if split else held_in), "activations"))

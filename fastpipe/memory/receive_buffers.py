@@ -29,7 +29,12 @@ __all__ = ["TRANSPORTS", "buffered_stages", "receive_buffer_bytes"]
 TRANSPORTS = ("local", "tags", "ordered")
 
 
-def receive_buffer_bytes(schedule: Schedule, stages: Sequence[StageBytes], transport: str = "local") -> list[int]:
+def receive_buffer_bytes(
+    schedule: Schedule,
+    stages: Sequence[StageBytes],
+    transport: str = "local",
+    skips: Sequence[tuple[int, int, float]] = (),
+) -> list[int]:
     """Per stage, the bytes its transport holds for received values beyond what the model counts.
 
     A value between stages on different workers is received into a header
@@ -44,6 +49,10 @@ def receive_buffer_bytes(schedule: Schedule, stages: Sequence[StageBytes], trans
       counts it (an input from its forward, a gradient not at all): the most such bytes a
       worker holds at once, on its first stage;
     * ``"local"`` hands values over and holds nothing.
+
+    ``skips`` (``(producer, consumer, bytes)``) between workers travel the same way: the value to
+    the consumer, its gradient back to the producer (``"tags"``: into buffers kept as well, which
+    :func:`~fastpipe.memory.model.predict_memory` is then told with ``skip_buffers=True``).
 
     Raises:
         ValueError: an unknown ``transport``.
@@ -60,6 +69,10 @@ def receive_buffer_bytes(schedule: Schedule, stages: Sequence[StageBytes], trans
             kept[s] += window * (HEADER + (stages[s].input if payload else 0))
         if s < n - 1 and schedule.crosses(s, s + 1):
             kept[s] += window * (HEADER + (stages[s + 1].input if payload else 0))
+    for producer, consumer, nbytes in skips:
+        if schedule.crosses(producer, consumer):
+            for s in (producer, consumer):
+                kept[s] += window * (HEADER + (int(nbytes) if payload else 0))
     if not payload:
         for w in range(schedule.num_workers):
             kept[schedule.stages_of(w)[0]] += _received_early(schedule, stages, w)

@@ -1,8 +1,10 @@
-"""A skip within one device shares its storage with the next stage's input or the input's gradient.
+"""Skips on the memory model's timeline.
 
+Within one device a skip shares its storage with the next stage's input or the input's gradient:
 :func:`fastpipe.memory.local_skips.local_skips` counts such a storage once, and keeps a stash alive
 until the producer's ``W`` (a split ``B`` leaves its outputs to it); :func:`measure_stages` finds
-the sharing. Counted end to end in ``test_skip_peaks.py``.
+the sharing. Across devices its gradient waits on the producer's, or in gloo's receive buffers.
+Counted end to end in ``test_skip_peaks.py`` (one device) and ``test_skip_ranks.py`` (gloo ranks).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 import fastpipe
+from fastpipe.distributed.wire import HEADER
 from fastpipe.memory.local_skips import local_skips
 from fastpipe.memory.model import StageBytes, predict_memory
+from fastpipe.memory.receive_buffers import receive_buffer_bytes
 from fastpipe.memory.stage_bytes import measure_stages
 from fastpipe.schedule import build
 from fastpipe.schedule.ir import Action
@@ -73,5 +77,33 @@ def test_across_devices_a_split_producer_holds_its_stash_until_its_W() -> None:
     # zb-v on 2 workers, stage 0 on worker 0, stage 1 on worker 1: the input gradient B(0) ends
     # with comes while W(0) still keeps the stash.
     stages = [StageBytes(parameters=0, activation=0, input=50)] + [StageBytes(parameters=0, activation=0)] * 3
-    first, _ = predict_memory(build("zb-v", 2, 1), stages, skips=[(0, 1, SKIP)], input_grad=True)
+    first, _ = predict_memory(build("zb-v", 2, 1), stages, skips=[(0, 1, SKIP)], input_grad=True, skip_buffers=True)
     assert (first.skips, first.input_grads) == (SKIP, 50)
+
+
+def test_across_devices_a_skips_gradient_waits_on_the_producers_device() -> None:
+    # gpipe on 2 workers, 1 micro-batch: B(1) ends before B(0), and the gradient waits between.
+    stages = [StageBytes(parameters=0, activation=0)] * 2
+    producer, consumer = predict_memory(build("gpipe", 2, 1), stages, skips=[(0, 1, SKIP)])
+    assert (producer.skips, consumer.skips) == (2 * SKIP, SKIP)  # the stash and its gradient; the copy
+    # Over gloo both arrive in receive buffers kept between steps, counted there.
+    producer, consumer = predict_memory(build("gpipe", 2, 1), stages, skips=[(0, 1, SKIP)], skip_buffers=True)
+    assert (producer.skips, consumer.skips) == (SKIP, 0)
+
+
+def test_tags_keeps_a_buffer_per_micro_batch_for_a_skip_and_its_gradient() -> None:
+    schedule = build("1f1b", 2, 4)
+    stages = [StageBytes(parameters=0, activation=0, input=64)] * 2
+    plain = receive_buffer_bytes(schedule, stages, "tags")
+    skipped = receive_buffer_bytes(schedule, stages, "tags", [(0, 1, SKIP)])
+    assert [b - a for a, b in zip(plain, skipped)] == [4 * (HEADER + SKIP)] * 2
+    assert receive_buffer_bytes(schedule, stages, "local", [(0, 1, SKIP)]) == [0, 0]
+
+
+def test_a_recomputed_producer_keeps_no_stash_between_its_forward_and_its_backward() -> None:
+    stages = [StageBytes(parameters=0, activation=0)] * 2
+    kept, redone = (
+        predict_memory(build("gpipe", 2, 4), stages, skips=[(0, 1, SKIP)], checkpoint=mode, skip_buffers=True)[0]
+        for mode in ("never", "always")
+    )
+    assert (kept.skips, redone.skips) == (4 * SKIP, SKIP)  # every micro-batch's; the one replayed
