@@ -17,7 +17,7 @@ other parts can be that very storage, and count once:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from fastpipe.memory.backward_points import Times, backward_of, sent_gradient
 from fastpipe.memory.stage_parts import StageBytes
@@ -34,7 +34,7 @@ def local_skips(
     stages: Sequence[StageBytes],
     local: Sequence[tuple[int, int, int]],
     release: Mapping[tuple[int, int], Action],
-    recomputed: Callable[[int], bool],
+    recomputed: Sequence[bool],
 ) -> tuple[list[int], list[Point]]:
     """What the skips of ``local`` hold, and what of each stage's input they hold.
 
@@ -43,7 +43,7 @@ def local_skips(
         stages: one :class:`StageBytes` per stage.
         local: ``(producer, consumer, bytes)`` of the skips within one device.
         release: per split ``(stage, micro-batch)``, the ``W`` that frees its records.
-        recomputed: whether micro-batch ``m`` runs recomputed.
+        recomputed: per micro-batch, whether it runs recomputed.
 
     Returns:
         Per stage, the bytes of its input (when recomputed) that a skip of the stage before
@@ -67,7 +67,7 @@ def local_skips(
             ends += [times[Action("W", s, m)][2] for s in (p, c) if (s, m) in release]  # W keeps B's outputs
             last = max(ends)
             points += [(w, times[Action("F", p, m)][1], nbytes), (w, last, -nbytes)]
-            if take and recomputed(m) and (p + 1, m) in release:  # the next stage's W keeps its input
+            if take and recomputed[m] and (p + 1, m) in release:  # the next stage's W keeps its input
                 kept = times[release[(p + 1, m)] if stages[p + 1].w_input else Action("W", p + 1, m)][2]
                 if kept > last:
                     points += [(w, last, take), (w, kept, -take)]

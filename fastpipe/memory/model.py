@@ -241,7 +241,7 @@ def predict_memory(
     makes_sums = first_sums(timed, unsplit, writes, per_minibatch)
     redone = [recompute is not None and recompute[m % per_minibatch] for m in range(schedule.num_microbatches)]
     try:
-        stashed_in, skip_points = local_skips(schedule, timed, stages, local, release, redone.__getitem__)
+        stashed_in, skip_points = local_skips(schedule, timed, stages, local, release, redone)
         skip_points += sent_skip_grads(schedule, timed, crossing)
     except KeyError as e:
         raise ScheduleError(f"times has no entry for {e}; simulate the schedule it came with") from None
@@ -328,7 +328,8 @@ def predict_memory(
     for s, st in enumerate(stages):  # ties are folded one at a time, each through a copy from another device
         w = schedule.worker_of(s)
         moved = max((b for r, b in st.tie_grads if schedule.worker_of(r) != w), default=0)
-        points[w].extend([(finish, moved, "gradients"), (math.nextafter(finish, math.inf), -moved, "gradients")])
+        if moved:
+            points[w].extend([(finish, moved, "gradients"), (math.nextafter(finish, math.inf), -moved, "gradients")])
 
     if sharded is not None:
         points = [p + q for p, q in zip(points, shard_points(schedule, timed, sharded))]

@@ -59,7 +59,7 @@ def test_a_split_B_leaves_its_stash_to_its_W() -> None:
     times = simulate_times(schedule)
     release = weight_release(schedule, 1, frozenset())
     stages = [StageBytes(parameters=0, activation=0)] * 2
-    _, points = local_skips(schedule, times, stages, [(0, 1, SKIP)], release, lambda m: False)
+    _, points = local_skips(schedule, times, stages, [(0, 1, SKIP)], release, [False])
     freed = max(t for _, t, n in points if n == -SKIP)
     assert freed == times[Action("W", 0, 0)][2] > times[Action("B", 0, 0)][2]
 
